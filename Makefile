@@ -1,0 +1,42 @@
+# nanolab's two commands: `make lab` and `make test`. Everything else is set up on the way.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch is pinned so a fresh machine takes the CPU build rather than the default CUDA wheels.
+TORCH := torch==2.13.0
+STAMP := $(VENV)/.nanolab-installed
+BUILD_INPUTS := pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/CMakeLists.txt)
+
+.PHONY: setup lab test lint bench labs solutions clean
+
+$(STAMP): $(BUILD_INPUTS)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -c "import nanolab, nanolab._C; print('nanolab', nanolab.__version__, 'installed with its C++ kernel')"
+	@touch $(STAMP)
+
+## setup: create .venv and install nanolab editable (C++ kernel built) with the dev tools
+setup: $(STAMP)
+
+## lab: set up, then open the labs in JupyterLab
+lab: setup
+	$(VENV)/bin/jupyter lab labs/
+
+## test: set up, then run the whole test suite
+test: setup
+	$(PY) -m pytest
+
+## lint: ruff over the package, tests, benchmarks and scripts
+lint: setup
+	$(VENV)/bin/ruff check nanolab tests bench scripts autograder
+	$(VENV)/bin/ruff format --check nanolab tests bench scripts autograder
+
+## bench: run every benchmark in bench/ (prints ratios against baselines measured in the same run)
+bench: setup
+	@set -e; for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b; done
+
+clean:
+	rm -rf $(VENV) build
