@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 # torch is pinned so a fresh machine takes the CPU build rather than the default CUDA wheels.
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.nanolab-installed
+LINT_DIRS := $(wildcard nanolab tests bench scripts autograder)
 BUILD_INPUTS := pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/CMakeLists.txt)
 
 .PHONY: setup lab test lint bench labs solutions clean
@@ -31,8 +32,8 @@ test: setup
 
 ## lint: ruff over the package, tests, benchmarks and scripts
 lint: setup
-	$(VENV)/bin/ruff check nanolab tests bench scripts autograder
-	$(VENV)/bin/ruff format --check nanolab tests bench scripts autograder
+	$(VENV)/bin/ruff check $(LINT_DIRS)
+	$(VENV)/bin/ruff format --check $(LINT_DIRS)
 
 ## bench: run every benchmark in bench/ (prints ratios against baselines measured in the same run)
 bench: setup
