@@ -1,11 +1,79 @@
-// Python bindings for nanolab._C. The Python-facing API matches nanolab.block_allocator.PyBlockAllocator.
+// Python bindings for nanolab._C. The Python-facing API matches nanolab.block_allocator.PyBlockAllocator
+// and the torch backend of nanolab.attention.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
+#include <string>
+
 #include "block_allocator.h"
+#include "paged_attention.h"
 
 namespace py = pybind11;
 using nanolab::BlockAllocator;
+
+// Arrays come from torch CPU tensors via .numpy() (zero-copy). forcecast would silently copy a
+// wrong-dtype or strided array, so nanolab.attention checks dtype and contiguity before calling.
+using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
+using IntArray = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
+namespace {
+
+void expect(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument(message);
+}
+
+std::string shape_of(const py::array& x) {
+  std::string s = "(";
+  for (py::ssize_t i = 0; i < x.ndim(); ++i) s += (i ? ", " : "") + std::to_string(x.shape(i));
+  return s + (x.ndim() == 1 ? ",)" : ")");
+}
+
+py::array_t<float> paged_attention(const FloatArray& q, const FloatArray& k_cache, const FloatArray& v_cache,
+                                   const IntArray& block_tables, const IntArray& context_lens,
+                                   const std::optional<IntArray>& query_start_loc, float scale, int num_threads) {
+  expect(q.ndim() == 3, "q must be (num_tokens, n_heads, head_dim), got shape " + shape_of(q));
+  expect(k_cache.ndim() == 4, "k_cache must be (num_blocks, block_size, n_kv_heads, head_dim), got shape " +
+                                  shape_of(k_cache));
+  expect(shape_of(k_cache) == shape_of(v_cache),
+         "k_cache " + shape_of(k_cache) + " and v_cache " + shape_of(v_cache) + " differ in shape");
+  expect(k_cache.shape(3) == q.shape(2), "q has head_dim " + std::to_string(q.shape(2)) + " but the cache has " +
+                                             std::to_string(k_cache.shape(3)));
+  expect(block_tables.ndim() == 2, "block_tables must be (num_seqs, max_blocks_per_seq), got shape " +
+                                       shape_of(block_tables));
+  expect(context_lens.ndim() == 1 && context_lens.shape(0) == block_tables.shape(0),
+         "context_lens " + shape_of(context_lens) + " needs one entry per row of block_tables " +
+             shape_of(block_tables));
+  if (query_start_loc) {
+    expect(query_start_loc->ndim() == 1 && query_start_loc->shape(0) == block_tables.shape(0) + 1,
+           "query_start_loc " + shape_of(*query_start_loc) + " needs num_seqs + 1 = " +
+               std::to_string(block_tables.shape(0) + 1) + " entries");
+  }
+  py::array_t<float> out({q.shape(0), q.shape(1), q.shape(2)});
+  nanolab::PagedAttentionArgs a{q.data(),
+                                k_cache.data(),
+                                v_cache.data(),
+                                block_tables.data(),
+                                context_lens.data(),
+                                query_start_loc ? query_start_loc->data() : nullptr,
+                                out.mutable_data(),
+                                q.shape(0),
+                                q.shape(1),
+                                k_cache.shape(2),
+                                q.shape(2),
+                                k_cache.shape(0),
+                                k_cache.shape(1),
+                                block_tables.shape(0),
+                                block_tables.shape(1),
+                                scale};
+  nanolab::check_paged_attention_args(a);
+  py::gil_scoped_release release;  // the arrays stay alive: the caller's frame holds them
+  nanolab::paged_attention(a, num_threads);
+  return out;
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "nanolab's C++ kernels (private; use the re-exports in nanolab)";
@@ -33,4 +101,10 @@ PYBIND11_MODULE(_C, m) {
         return "BlockAllocator(num_blocks=" + std::to_string(a.num_total()) +
                ", num_free=" + std::to_string(a.num_free()) + ")";
       });
+
+  m.def("paged_attention", &paged_attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_tables"), py::arg("context_lens"), py::arg("query_start_loc"), py::arg("scale"),
+        py::arg("num_threads"),
+        "Paged attention over nanolab's KV layout (see csrc/paged_attention.h); returns a new "
+        "(num_tokens, n_heads, head_dim) float32 array. query_start_loc=None means decode.");
 }

@@ -1,9 +1,42 @@
-"""The `nanolab` command line."""
+"""The `nanolab` command line: info, generate, bench (and grade, serve)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Options shared by every command that builds an engine."""
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory or bundled model name (default: the bundled model)",
+    )
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument(
+        "--num-blocks", type=int, default=None, help="KV blocks in the pool (default: sized to max-num-seqs)"
+    )
+    g.add_argument("--max-num-seqs", type=int, default=64, help="running requests at most (default 64)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step at most")
+    g.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens at most")
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn the radix prefix cache off")
+    g.add_argument("--no-chunked-prefill", action="store_true", help="prefill each prompt in one step")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "shortest"])
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        scheduling_policy=args.scheduling_policy,
+    )
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -14,12 +47,115 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from nanolab import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=args.stop or None,
+        )
+        llm = LLM(args.model, **engine_kwargs(args))
+        if llm.tokenizer is None:
+            print(
+                "error: this checkpoint has no nanolab tokenizer, so text prompts cannot be encoded",
+                file=sys.stderr,
+            )
+            return 2
+        sys.stdout.write(args.prompt)
+        final = None
+        for out in llm.stream(args.prompt, params):
+            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.flush()
+            final = out
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print()
+    if args.verbose and final is not None:
+        m = final.metrics
+        print(
+            f"[{m.num_output_tokens} tokens, finish_reason={final.outputs[0].finish_reason}, "
+            f"ttft {m.ttft * 1e3:.0f} ms]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from nanolab.benchmark import run_benchmark
+
+    try:
+        return run_benchmark(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _cmd_grade(args: argparse.Namespace) -> int:
+    from autograder.cli import run
+
+    return run(args)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from nanolab.server import run_server
+
+    return run_server(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanolab", description=__doc__)
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command")
+
     info = sub.add_parser("info", help="show the version and which kernels (C++ or Python) are in use")
     info.set_defaults(func=_cmd_info)
+    from autograder.cli import add_arguments as add_grade_arguments
+
+    grade = sub.add_parser("grade", help="grade lab notebooks with the hidden tests (nanolab grade -h)")
+    add_grade_arguments(grade)
+    grade.set_defaults(func=_cmd_grade)
+
+    gen = sub.add_parser("generate", help="continue a prompt with the model, streaming the text")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("-v", "--verbose", action="store_true", help="print token count and timing")
+    add_engine_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+
+    bench = sub.add_parser("bench", help="measure engine throughput and latency on a synthetic workload")
+    bench.add_argument("--num-prompts", type=int, default=64)
+    bench.add_argument("--input-len", type=int, default=128, help="mean prompt length in tokens")
+    bench.add_argument("--output-len", type=int, default=64, help="mean output length in tokens")
+    bench.add_argument("--seed", type=int, default=0)
+    add_engine_args(bench)
+    bench.set_defaults(func=_cmd_bench)
+
+    serve = sub.add_parser(
+        "serve", help="serve the model over an OpenAI-compatible HTTP API (see nanolab.server)"
+    )
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
+    )
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    serve.add_argument(
+        "--served-model-name", default=None, help="the model's name in the API (default: its directory)"
+    )
+    serve.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    add_engine_args(serve)
+    serve.set_defaults(func=_cmd_serve)
     return parser
 
 

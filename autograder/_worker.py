@@ -1,0 +1,306 @@
+"""The sandbox side: runs a submission's code and answers the grader's calls over a pipe.
+
+This module is the main program of the sandboxed process (``python -I -m autograder._worker``).
+Everything in this process is untrusted once the submission's first cell runs: the submission may
+patch this module, write to the pipe itself or exit. That is fine, because the grader decides every
+verdict in its own process from plain data it decodes itself (`autograder.codec`); this process can
+only answer wrongly, slowly or not at all, and each of those fails the test that asked.
+
+Before any submission code runs it limits itself (address space, CPU time, file size, no core
+files), confines writes to its working directory with Landlock where the kernel offers it, and
+installs an import blocker for the reference modules of the lab being graded.
+
+Requests (one JSON object each, see `autograder.codec` for framing and values)::
+
+    {"op": "load", "cells": [{"id": ..., "source": ...}], "graded": {...}}   run the cells
+    {"op": "get", "target": handle or null, "name": str}                    an attribute / global
+    {"op": "call", "target": handle, "args": [...], "kwargs": {...}}         call a handle
+    {"op": "ping"}
+
+Replies: ``{"ok": true, "value": ...}`` or ``{"ok": false, "error": {"type", "message", "traceback"}}``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import ctypes
+import importlib.abc
+import json
+import linecache
+import os
+import resource
+import sys
+import sysconfig
+import traceback
+import types
+from typing import Any
+
+from autograder import codec
+
+CELL_PREFIX = "<cell "
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+# ---------------------------------------------------------------------------------------------- limits
+
+
+def _vm_bytes() -> int:
+    """The process's current address-space size, read from /proc (0 where there is no /proc)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def apply_limits(memory_mb: int, cpu_s: int, file_mb: int) -> None:
+    """Cap address space (on top of what is mapped now), CPU seconds and written file size."""
+
+    def cap(which: int, value: int) -> None:
+        soft, hard = resource.getrlimit(which)
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        resource.setrlimit(which, (value, hard if which != resource.RLIMIT_CPU else value + 5))
+
+    cap(resource.RLIMIT_CORE, 0)
+    cap(resource.RLIMIT_CPU, cpu_s)
+    cap(resource.RLIMIT_FSIZE, file_mb * 1024 * 1024)
+    if memory_mb > 0:
+        cap(resource.RLIMIT_AS, _vm_bytes() + memory_mb * 1024 * 1024)
+
+
+# Landlock (Linux >= 5.13): an unprivileged process can give up its own right to write files.
+_LL_CREATE_RULESET, _LL_ADD_RULE, _LL_RESTRICT_SELF = 444, 445, 446
+_LL_WRITE_FILE, _LL_TRUNCATE = 1 << 1, 1 << 14
+# remove dir/file, make char/dir/reg/sock/fifo/block/sym
+_LL_DIR_WRITES = sum(1 << b for b in (4, 5, 6, 7, 8, 9, 10, 11, 12))
+_LL_REFER = 1 << 13
+
+
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def confine_writes(writable_dir: str) -> bool:
+    """Forbid writing anywhere except under ``writable_dir`` (and /dev/null). False if unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        abi = libc.syscall(_LL_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+        if abi < 1:
+            return False
+        handled = _LL_WRITE_FILE | _LL_DIR_WRITES
+        handled |= _LL_REFER if abi >= 2 else 0
+        handled |= _LL_TRUNCATE if abi >= 3 else 0
+        attr = ctypes.c_uint64(handled)  # struct landlock_ruleset_attr, first field only
+        ruleset = libc.syscall(_LL_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(8), ctypes.c_uint32(0))
+        if ruleset < 0:
+            return False
+        file_rights = handled & (_LL_WRITE_FILE | _LL_TRUNCATE)
+        for path, rights in ((writable_dir, handled), ("/dev/null", file_rights)):
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            rule = _PathBeneath(rights, fd)
+            ok = libc.syscall(_LL_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(1), ctypes.byref(rule), 0)
+            os.close(fd)
+            if ok != 0:
+                return False
+        if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS, required before restrict_self
+            return False
+        return libc.syscall(_LL_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+class ImportBlocker(importlib.abc.MetaPathFinder):
+    """Refuses to import the given modules (and their submodules), saying why."""
+
+    def __init__(self, blocked: dict[str, str]):
+        self.blocked = blocked
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
+        for name, why in self.blocked.items():
+            if fullname == name or fullname.startswith(name + "."):
+                raise ImportError(f"`{fullname}` cannot be imported while this lab is graded: {why}", name=fullname)
+        return None
+
+
+def block_imports(blocked: dict[str, str]) -> None:
+    for name in list(sys.modules):
+        if any(name == b or name.startswith(b + ".") for b in blocked):
+            del sys.modules[name]
+    sys.meta_path.insert(0, ImportBlocker(blocked))
+
+
+# ---------------------------------------------------------------------------------------------- objects
+
+
+class Worker:
+    """Holds the submission's namespace and the objects handed out as handles."""
+
+    def __init__(self) -> None:
+        self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+        self.handles: dict[int, Any] = {}
+
+    def handle(self, obj: Any) -> dict:
+        self.handles[id(obj)] = obj
+        return {"$h": id(obj), "type": type(obj).__name__, "callable": callable(obj)}
+
+    def resolve(self, tag: dict) -> Any:
+        try:
+            return self.handles[tag["$h"]]
+        except KeyError:
+            raise LookupError("unknown object handle") from None
+
+    def encode(self, value: Any) -> Any:
+        return codec.encode(value, self.handle)
+
+    def decode(self, data: Any) -> Any:
+        return codec.decode(data, self.resolve)
+
+    # -- requests
+
+    def load(self, cells: list[dict], graded: dict[str, list[str]]) -> dict:
+        """Run the cells in order in one namespace; a cell that raises does not stop the next."""
+        results = []
+        for cell in cells:
+            filename = f"{CELL_PREFIX}{cell['id']}>"
+            source = cell["source"]
+            linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+            try:
+                exec(compile(source, filename, "exec"), self.namespace)
+                results.append({"id": cell["id"], "error": None})
+            except BaseException as e:  # noqa: B036 - SystemExit in a cell is the cell's failure
+                results.append({"id": cell["id"], "error": describe(e)})
+        origins = {name: self.origin(name) for names in graded.values() for name in names}
+        return {"cells": results, "origins": origins}
+
+    def origin(self, name: str) -> dict:
+        """Where a graded object comes from: defined in the notebook's cells, or elsewhere."""
+        if name not in self.namespace:
+            return {"defined": False, "own": False, "where": None}
+        obj = self.namespace[name]
+        foreign = _foreign_parts(obj)
+        return {"defined": True, "own": not foreign, "where": foreign[0] if foreign else None}
+
+    def get(self, target: Any, name: str) -> Any:
+        if target is None:
+            if name not in self.namespace:
+                raise NameError(f"name {name!r} is not defined")
+            return self.namespace[name]
+        return getattr(self.decode(target), name)
+
+    def call(self, target: Any, args: list, kwargs: dict) -> Any:
+        fn = self.decode(target)
+        return fn(*self.decode(args), **self.decode(kwargs))
+
+
+def _code_file(obj: Any) -> str | None:
+    obj = getattr(obj, "__func__", obj)  # classmethod / staticmethod / bound method
+    if isinstance(obj, property):
+        obj = obj.fget
+    for _ in range(10):  # functools.wraps chains (lru_cache, decorators)
+        if getattr(obj, "__code__", None) is not None or not hasattr(obj, "__wrapped__"):
+            break
+        obj = obj.__wrapped__
+    code = getattr(obj, "__code__", None)
+    return code.co_filename if isinstance(code, types.CodeType) else None
+
+
+def _is_stdlib_base(klass: type) -> bool:
+    """``object``, a builtin type, or an ``abc``/``typing`` base such as ``Protocol`` (by identity)."""
+    if klass.__module__ not in ("builtins", "abc", "typing", "collections.abc"):
+        return False
+    module = builtins if klass.__module__ == "builtins" else sys.modules.get(klass.__module__)
+    return getattr(module, klass.__name__, None) is klass
+
+
+def _foreign_parts(obj: Any) -> list[str]:
+    """Names of the parts of ``obj`` (a function or class) that were not defined in notebook cells."""
+    if isinstance(obj, type):
+        foreign = []
+        for klass in obj.__mro__:
+            if _is_stdlib_base(klass):
+                continue
+            if klass.__module__ != "__main__":
+                foreign.append(f"{klass.__module__}.{klass.__qualname__}")
+                continue
+            for attr, value in vars(klass).items():
+                filename = _code_file(value)
+                if filename is None or filename.startswith(CELL_PREFIX):
+                    continue
+                # dataclasses, namedtuple and total_ordering generate dunder methods; they are fine
+                generated = filename == "<string>" or filename.startswith(_STDLIB)
+                if not (attr.startswith("__") and attr.endswith("__") and generated):
+                    foreign.append(f"{klass.__qualname__}.{attr} from {filename}")
+        return foreign
+    filename = _code_file(obj)
+    if filename is None:
+        module = getattr(obj, "__module__", None) or type(obj).__module__
+        return [f"{module}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"]
+    return [] if filename.startswith(CELL_PREFIX) else [f"{getattr(obj, '__qualname__', '?')} from {filename}"]
+
+
+def describe(e: BaseException) -> dict:
+    """An exception as plain data, with the traceback cut to the submission's own frames."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename.startswith(CELL_PREFIX)]
+    tb = "".join(traceback.format_list(frames[-8:]))
+    try:
+        message = str(e)
+    except BaseException:  # noqa: B036 - a submission's __str__ may raise anything
+        message = "<exception message could not be shown>"
+    return {"type": type(e).__name__, "message": message[:2000], "traceback": tb[-4000:]}
+
+
+def serve(read_fd: int, write_fd: int) -> None:
+    worker = Worker()
+    while True:
+        try:
+            request = codec.read_message(read_fd)
+        except (EOFError, codec.CodecError):
+            return
+        op = request.get("op")
+        try:
+            if op == "load":
+                value = worker.encode(worker.load(request["cells"], request.get("graded", {})))
+            elif op == "get":
+                value = worker.encode(worker.get(request.get("target"), request["name"]))
+            elif op == "call":
+                value = worker.encode(worker.call(request["target"], request["args"], request["kwargs"]))
+            elif op == "ping":
+                value = "pong"
+            else:
+                raise ValueError(f"unknown op {op!r}")
+            reply = {"ok": True, "value": value, "id": request.get("id")}
+        except BaseException as e:  # noqa: B036 - sys.exit() in a graded call fails that call only
+            reply = {"ok": False, "error": describe(e), "id": request.get("id")}
+        try:
+            codec.write_message(write_fd, reply)
+        except (ValueError, codec.CodecError, RecursionError) as e:
+            codec.write_message(write_fd, {"ok": False, "error": describe(e), "id": request.get("id")})
+
+
+def main() -> None:
+    read_fd, write_fd = int(sys.argv[1]), int(sys.argv[2])
+    config = json.loads(sys.argv[3])
+    for module in config.get("preload", []):
+        try:
+            __import__(module)
+        except ImportError:
+            pass
+    sys.stdin = open(os.devnull)  # noqa: SIM115 - stdin stays closed for the submission
+    apply_limits(config["memory_mb"], config["cpu_s"], config["file_mb"])
+    confined = confine_writes(os.getcwd()) if config.get("confine", True) else False
+    block_imports(config.get("blocked", {}))
+    sys.argv = ["submission"]
+    codec.write_message(write_fd, {"ok": True, "value": codec.encode({"confined": confined, "pid": os.getpid()})})
+    serve(read_fd, write_fd)
+
+
+if __name__ == "__main__":
+    main()
+    os._exit(0)

@@ -1,0 +1,88 @@
+"""``nanolab grade``: grade lab notebooks with the hidden tests and write the results.
+
+Examples::
+
+    nanolab grade labs/lab01_tokenizer.ipynb                       # a learner checks their own work
+    nanolab grade submissions/*/lab01*.ipynb --jobs 2 --csv grades.csv --json grades.json
+    nanolab grade /autograder/submission/*.ipynb --gradescope /autograder/results/results.json
+
+The exit status is 0 when every notebook was graded (whatever its score; a notebook that cannot be
+graded scores zero), 1 when the grader itself or its hidden tests failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from autograder.grade import DEFAULT_TESTS_DIR, GradeOptions, grade
+from autograder.results import print_table, write_csv, write_gradescope, write_json
+from autograder.sandbox import Limits
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("notebooks", nargs="+", metavar="NOTEBOOK", help="submitted .ipynb files")
+    parser.add_argument("--lab", type=int, help="grade as this lab (default: the lab named in each notebook)")
+    parser.add_argument(
+        "--tests", type=Path, default=DEFAULT_TESTS_DIR, metavar="DIR", help="folder of hidden tests test_labNN*.py"
+    )
+    parser.add_argument(
+        "--gradescope",
+        type=Path,
+        metavar="F",
+        help="write Gradescope's results.json to F (several notebooks: F is a folder, one file each)",
+    )
+    parser.add_argument("--json", type=Path, metavar="F", help="write all results as a JSON list to F")
+    parser.add_argument("--csv", type=Path, metavar="F", help="write one row per notebook, one column per test")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N", help="notebooks graded in parallel (default 1)")
+    parser.add_argument(
+        "--timeout", type=float, default=30.0, metavar="S", help="seconds one call into a notebook's code may take"
+    )
+    parser.add_argument(
+        "--memory-mb", type=int, default=None, metavar="M", help="memory for a notebook's code (default: per lab)"
+    )
+    parser.add_argument("--seed", type=int, default=None, help="seed of the tests' random inputs (default: fresh)")
+    parser.add_argument("--details", action="store_true", help="print every test's result, also for many notebooks")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Grade ``args.notebooks``; print the table and write the requested files."""
+    if args.jobs < 1:
+        print("nanolab grade: --jobs must be at least 1", file=sys.stderr)
+        return 2
+    if args.timeout <= 0:
+        print("nanolab grade: --timeout must be positive", file=sys.stderr)
+        return 2
+    if not args.tests.is_dir():
+        print(f"nanolab grade: the tests folder {args.tests} does not exist", file=sys.stderr)
+        return 2
+    limits = Limits(call_timeout_s=args.timeout, load_timeout_s=max(60.0, 2 * args.timeout), memory_mb=args.memory_mb)
+    options = GradeOptions(lab=args.lab, tests_dir=args.tests, limits=limits, seed=args.seed)
+    jobs = min(args.jobs, os.cpu_count() or 1, len(args.notebooks))
+    results = grade(args.notebooks, options, jobs=jobs, progress=sys.stderr.isatty())
+
+    print_table(results, sys.stdout, details=True if args.details else None)
+    if any(r.confined is False for r in results):
+        print(
+            "warning: this kernel has no Landlock, so submissions could write outside their sandbox "
+            "directory; grade untrusted work in a container",
+            file=sys.stderr,
+        )
+    if args.gradescope:
+        write_gradescope(results, args.gradescope)
+    if args.json:
+        write_json(results, args.json)
+    if args.csv:
+        write_csv(results, args.csv)
+    failed = [r for r in results if r.internal_error]
+    for r in failed:
+        print(f"nanolab grade: {r.submission}: {r.internal_error}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nanolab grade", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

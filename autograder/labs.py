@@ -1,0 +1,86 @@
+"""What the grader needs to know about each lab: its cells, its graded names, what is off limits.
+
+A lab notebook carries its number in its metadata (``metadata.nanolab.lab``), put there in
+``solutions/`` and kept by ``make labs``. The cells are found by their nbgrader ``grade_id``: the
+*setup* cells (locked imports and helpers the graded code may use) and the *graded* cells (where the
+learner writes code), which are the only cells the grader runs. Visible check cells and experiment
+cells never run during grading.
+
+The reference modules a lab mirrors are blocked inside the sandbox while that lab is graded, so a
+learner's `Tokenizer` that is really ``nanolab.Tokenizer`` fails loudly instead of scoring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+
+
+@dataclass(frozen=True)
+class LabSpec:
+    """One lab, as the grader sees it."""
+
+    number: int
+    name: str  # short name: "tokenizer"
+    title: str  # "Lab 1: Tokenizer"
+    notebook: str  # file name in labs/ and solutions/
+    setup_cells: tuple[str, ...]  # grade_ids of locked cells the graded code needs, in order
+    graded_cells: MappingProxyType  # grade_id -> names that cell must define (learner's own code)
+    blocked_modules: MappingProxyType  # module -> why graded code may not import it
+    preload: tuple[str, ...] = ()  # imported in the sandbox before limits apply (speed, address space)
+    memory_mb: int = 1024  # sandbox address space on top of the interpreter and the preloads
+
+    @property
+    def graded_names(self) -> tuple[str, ...]:
+        return tuple(name for names in self.graded_cells.values() for name in names)
+
+    @property
+    def test_prefix(self) -> str:
+        """Hidden test modules for this lab are ``test_labNN*.py``."""
+        return f"test_lab{self.number:02d}"
+
+    def cell_of(self, name: str) -> str | None:
+        """The grade_id of the graded cell that defines ``name``."""
+        return next((cell for cell, names in self.graded_cells.items() if name in names), None)
+
+
+_OWN_CODE = "the grader grades the code you write in the notebook, not the reference implementation"
+
+LABS: dict[int, LabSpec] = {
+    1: LabSpec(
+        number=1,
+        name="tokenizer",
+        title="Lab 1: Tokenizer",
+        notebook="lab01_tokenizer.ipynb",
+        setup_cells=("setup",),
+        graded_cells=MappingProxyType(
+            {
+                "pair-counts": ("pair_counts",),
+                "merge": ("merge",),
+                "train-merges": ("train_merges",),
+                "bpe-encode": ("bpe_encode",),
+                "tokenizer": ("Tokenizer",),
+            }
+        ),
+        blocked_modules=MappingProxyType(
+            {
+                "nanolab": _OWN_CODE,
+                "autograder": "graded code may not use the grader",
+                "tiktoken": "your BPE must be your own (the notebook uses tiktoken only to check it)",
+                "tokenizers": "your BPE must be your own",
+                "transformers": "your BPE must be your own",
+                "sentencepiece": "your BPE must be your own",
+            }
+        ),
+        preload=("regex",),
+        memory_mb=1024,  # pure-Python BPE on small texts needs far less; MemoryError comes quickly
+    ),
+}
+
+
+def lab_spec(number: int) -> LabSpec:
+    """The spec of lab ``number``; ValueError naming the known labs otherwise."""
+    if number not in LABS:
+        known = ", ".join(f"{n} ({spec.name})" for n, spec in sorted(LABS.items()))
+        raise ValueError(f"there is no lab {number} to grade; known labs: {known}")
+    return LABS[number]

@@ -1,0 +1,354 @@
+"""The grader's side of the sandbox: start the submission's process, call into it, kill it.
+
+`Sandbox` starts ``python -I -m autograder._worker`` in an empty temporary directory, in its own
+process group, with stdin closed and its output going to a log file, and talks to it over two pipes.
+Every reply is decoded by `autograder.codec` into plain data or `Remote` handles, so what comes back
+cannot run code or fake a comparison here. A call that does not answer within its time limit, or
+whose process dies, raises `SandboxFailure`; the process is then killed and the `Sandbox` is dead
+(the pytest plugin decides whether to start a fresh one).
+
+Limits: address space (``memory_mb`` on top of what the interpreter and the preloaded modules map),
+CPU seconds, written file size, wall clock per call; writes outside the working directory are
+refused where the kernel has Landlock (`Sandbox.confined` tells).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autograder import codec
+
+
+DEFAULT_MEMORY_MB = 2048
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits for one sandboxed process."""
+
+    call_timeout_s: float = 30.0  # wall clock for one proxied call
+    load_timeout_s: float = 60.0  # wall clock to start and run the notebook's cells
+    cpu_s: int = 600  # CPU seconds over the process's life (background threads included)
+    memory_mb: int | None = None  # address space on top of the interpreter and preloads (None: the lab's)
+    file_mb: int = 64  # largest file the process may write
+    notebook_s: float = 900.0  # wall clock for all of one notebook's tests; later tests fail at once
+    confine_writes: bool = True  # Landlock: no writes outside the working directory
+
+
+class SandboxFailure(Exception):
+    """The submission's process did not answer: it timed out, died, or sent something unreadable."""
+
+
+class RemoteError(Exception):
+    """The submission's code raised an exception; carries its type, message and traceback as text."""
+
+    def __init__(self, type_name: str, message: str, traceback: str = ""):
+        super().__init__(f"{type_name}: {message}" if message else type_name)
+        self.type_name = type_name
+        self.message = message
+        self.traceback = traceback
+
+
+class Remote:
+    """A handle to an object living in the sandbox; attribute access and calls are proxied.
+
+    It compares equal only to itself and has no truth value, length or iteration, so a test can
+    never mistake it for data.
+    """
+
+    __slots__ = ("_sandbox", "_tag", "_generation")
+
+    def __init__(self, sandbox: Sandbox, tag: dict):
+        object.__setattr__(self, "_sandbox", sandbox)
+        object.__setattr__(self, "_tag", {"$h": tag["$h"]})
+        object.__setattr__(self, "_generation", sandbox.generation)
+        self._tag["type"] = str(tag.get("type", "object"))[:100]
+        self._tag["callable"] = tag.get("callable") is True
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self._sandbox.get(self, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("objects from a submission are read-only here")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._sandbox.call(self, args, kwargs)
+
+    def __bool__(self) -> bool:
+        raise TypeError(f"a {self.type_name} object from the submission has no truth value here")
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    @property
+    def type_name(self) -> str:
+        return self._tag["type"]
+
+    def __repr__(self) -> str:
+        return f"<{self.type_name} object from the submission>"
+
+
+@dataclass
+class Sandbox:
+    """One sandboxed process running a submission's cells."""
+
+    cells: list[dict]  # [{"id": grade_id, "source": code}] in notebook order
+    graded: dict[str, list[str]]  # cell id -> names it must define
+    limits: Limits = field(default_factory=Limits)
+    blocked: dict[str, str] = field(default_factory=dict)  # module -> why it is blocked
+    preload: tuple[str, ...] = ()
+    generation: int = 0
+    confined: bool = False
+    load_report: dict | None = None
+    _proc: subprocess.Popen | None = None
+    _dir: Path | None = None
+    _rfd: int | None = None
+    _wfd: int | None = None
+
+    def __post_init__(self) -> None:
+        self.call_timeout = self.limits.call_timeout_s  # may be changed between calls
+        self._next_id = secrets.randbits(48)  # request ids: a reply must name the request it answers
+
+    # -- life cycle
+
+    def start(self) -> dict:
+        """Start the process and run the cells; returns the load report (per-cell errors, origins)."""
+        self.close()
+        self.generation += 1
+        self._dir = Path(tempfile.mkdtemp(prefix="nanolab-sandbox-"))
+        work = self._dir / "work"
+        work.mkdir()
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        config = {
+            "memory_mb": self.limits.memory_mb or DEFAULT_MEMORY_MB,
+            "cpu_s": self.limits.cpu_s,
+            "file_mb": self.limits.file_mb,
+            "confine": self.limits.confine_writes,
+            "blocked": self.blocked,
+            "preload": list(self.preload),
+        }
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": str(work),
+            "TMPDIR": str(work),
+            "LANG": "C.UTF-8",
+            "MPLBACKEND": "Agg",
+            "MPLCONFIGDIR": str(work),
+            "OMP_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "MALLOC_ARENA_MAX": "2",
+        }
+        log = open(self._dir / "output.log", "wb")  # noqa: SIM115 - the child writes to it
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-I", "-m", "autograder._worker", str(to_child_r), str(from_child_w), json.dumps(config)],
+                cwd=work,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                pass_fds=(to_child_r, from_child_w),
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+            os.close(to_child_r)
+            os.close(from_child_w)
+        self._rfd, self._wfd = from_child_r, to_child_w
+        hello = self._receive(self.limits.load_timeout_s, "starting the sandbox")
+        self.confined = bool(isinstance(hello, dict) and hello.get("confined") is True)
+        report = self._request({"op": "load", "cells": self.cells, "graded": self.graded}, self.limits.load_timeout_s)
+        if type(report) is not dict:
+            raise SandboxFailure("the sandbox sent a malformed load report")
+        self.load_report = report
+        return report
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def output_tail(self, n: int = 2000) -> str:
+        """The last ``n`` characters the submission printed (stdout and stderr)."""
+        if self._dir is None or not (self._dir / "output.log").exists():
+            return ""
+        with open(self._dir / "output.log", "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - n))
+            return f.read().decode("utf-8", "replace")
+
+    def close(self) -> None:
+        """Kill the process group and remove the temporary directory."""
+        if self._proc is not None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for fd in (self._rfd, self._wfd):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._proc, self._rfd, self._wfd = None, None, None
+        if self._dir is not None:
+            _force_rmtree(self._dir)
+            self._dir = None
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- calls
+
+    def get(self, target: Remote | None, name: str, timeout: float | None = None) -> Any:
+        """``getattr(target, name)`` in the sandbox (a global of the notebook when target is None)."""
+        return self._request({"op": "get", "target": self._handle(target), "name": name}, timeout)
+
+    def call(self, target: Remote, args: tuple, kwargs: dict, timeout: float | None = None) -> Any:
+        """``target(*args, **kwargs)`` in the sandbox; the result comes back as data or handles."""
+        message = {"op": "call", "target": self._handle(target), "args": self._encode(list(args))}
+        message["kwargs"] = self._encode(dict(kwargs))
+        return self._request(message, timeout)
+
+    def _handle(self, target: Remote | None) -> dict | None:
+        if target is None:
+            return None
+        if target._sandbox is not self or target._generation != self.generation:
+            raise SandboxFailure("this object belonged to a sandbox that has since been restarted")
+        return {"$h": target._tag["$h"]}
+
+    def _encode(self, value: Any) -> Any:
+        def handle(obj: Any) -> dict:
+            if isinstance(obj, Remote):
+                return self._handle(obj)
+            raise codec.CodecError(f"cannot pass a {type(obj).__name__} to the submission")
+
+        return codec.encode(value, handle)
+
+    def _request(self, message: dict, timeout: float | None) -> Any:
+        if not self.alive or self._wfd is None:
+            raise SandboxFailure("the submission's process is not running")
+        timeout = self.call_timeout if timeout is None else timeout
+        self._next_id += 1
+        message = {**message, "id": self._next_id}
+        try:
+            codec.write_message(self._wfd, message)
+        except OSError:
+            self._fail()
+            raise SandboxFailure(f"the submission's process died ({self._exit_reason()})") from None
+        return self._receive(timeout, "answering a call", expect_id=self._next_id)
+
+    def _receive(self, timeout: float, doing: str, expect_id: int | None = None) -> Any:
+        deadline = time.monotonic() + timeout
+        try:
+            header = self._read(codec.HEADER_BYTES, deadline)
+            size = int.from_bytes(header, "big")
+            if size > codec.MAX_MESSAGE_BYTES:
+                raise codec.CodecError(f"a reply of {size} bytes is too large")
+            reply = codec.loads(self._read(size, deadline))
+            if expect_id is not None and reply.get("id") != expect_id:
+                raise codec.CodecError("a reply to a request that was not made")
+            if reply.get("ok") is True:
+                return codec.decode(reply.get("value"), lambda tag: Remote(self, tag))
+            error = reply.get("error")
+            if type(error) is not dict:
+                raise codec.CodecError("malformed error reply")
+            raise RemoteError(str(error.get("type", "Error"))[:200], str(error.get("message", "")), str(error.get("traceback", "")))
+        except TimeoutError:
+            self._fail()
+            raise SandboxFailure(f"no answer within {timeout:g} s while {doing} (time limit)") from None
+        except EOFError:
+            self._settle()
+            self._fail()
+            raise SandboxFailure(f"the submission's process died while {doing} ({self._exit_reason()})") from None
+        except codec.CodecError as e:
+            self._fail()
+            raise SandboxFailure(f"the submission's process sent an unreadable reply while {doing}: {e}") from None
+
+    def _read(self, n: int, deadline: float) -> bytes:
+        chunks, left = [], n
+        while left:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            ready, _, _ = select.select([self._rfd], [], [], remaining)
+            if not ready:
+                raise TimeoutError
+            chunk = os.read(self._rfd, min(left, 1 << 20))
+            if not chunk:
+                raise EOFError
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+
+    def _settle(self) -> None:
+        """Give a process whose pipe closed a moment to exit by itself, so its exit status is its own."""
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def _fail(self) -> None:
+        """Kill the process after a failure, keeping its exit status for the message."""
+        if self._proc is not None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def _exit_reason(self) -> str:
+        if self._proc is None or self._proc.poll() is None:
+            return "still running"
+        code = self._proc.returncode
+        if code < 0:
+            name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+            hint = {"SIGXCPU": "CPU time limit", "SIGXFSZ": "file size limit", "SIGKILL": "killed"}.get(name)
+            return f"signal {name}" + (f", {hint}" if hint else "")
+        return f"exit code {code}"
+
+
+def _force_rmtree(path: Path) -> None:
+    """Remove a directory even where the submission took away permissions."""
+
+    def fix(func: Any, p: str, exc: Any) -> None:
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            os.chmod(p, 0o700)
+            func(p)
+        except OSError:
+            pass
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=fix)
+    else:
+        shutil.rmtree(path, onerror=fix)

@@ -1,0 +1,212 @@
+"""`nanolab serve` under concurrent streaming clients vs offline `LLM.generate` on the same workload, same run.
+
+Starts `nanolab serve` as a subprocess on 127.0.0.1 (a free port), then ``--clients`` concurrent clients
+(default 32) stream ``--requests`` completions (default 128) through it: prompts cut from Python source
+and sent as token ids, greedy, ``ignore_eos``, output lengths mixed, so every request generates exactly
+the tokens it asks for. Measured at the client: request throughput, output tokens/s, time to first token
+(TTFT) and inter-token latency (ITL: the gap between consecutive streamed chunks) at p50/p99.
+
+The same requests then run through offline `LLM.generate` (all at once, in this process), and the script
+prints the throughput ratio server / offline: what HTTP, JSON, server-sent events and arrival over time
+cost on top of the engine. It also checks that every server output equals the offline output.
+
+    python bench/bench_server.py                      # the bundled model
+    python bench/bench_server.py --model DIR --clients 8 --requests 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class Result:
+    text: str = ""
+    sent: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk that carried text
+    done: float = 0.0
+    completion_tokens: int = 0
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+
+def make_workload(tokenizer, n: int, seed: int, max_len: int, quick: bool) -> tuple[list[list[int]], list[int]]:
+    """n prompts (8..128 tokens) cut from Python source, and output lengths (16..96 tokens)."""
+    import inspect
+    import textwrap
+
+    ids = tokenizer.encode("".join(inspect.getsource(m) for m in (json, textwrap, random, statistics, argparse)))
+    rng = random.Random(seed)
+    hi_p, hi_o = (32, 24) if quick else (128, 96)
+    prompts, lengths = [], []
+    for _ in range(n):
+        plen = rng.randint(min(8, max_len // 2), min(hi_p, max_len // 2))
+        start = rng.randrange(0, len(ids) - plen)
+        prompts.append(ids[start : start + plen])
+        lengths.append(min(rng.randint(16, hi_o), max_len - plen))
+    return prompts, lengths
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "nanolab.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--log-level", "warning", "--max-num-seqs", str(args.max_num_seqs)]
+    if args.model:
+        cmd += ["--model", args.model]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with code {proc.returncode}:\n{proc.stderr.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"the server was not healthy after {timeout:.0f} s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)  # uvicorn shuts down gracefully; the engine thread stops with it
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> Result:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    r = Result(sent=time.perf_counter())
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            if chunk.get("usage"):
+                r.completion_tokens = chunk["usage"]["completion_tokens"]
+            for c in chunk["choices"]:
+                if c["text"]:
+                    r.chunk_times.append(time.perf_counter())
+                    r.text += c["text"]
+    r.done = time.perf_counter()
+    return r
+
+
+async def run_clients(url: str, model: str, prompts, lengths, clients: int) -> tuple[float, list[Result]]:
+    """``clients`` workers take requests from a shared queue until none is left; returns (wall s, results)."""
+    todo: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(len(prompts)):
+        todo.put_nowait(i)
+    results: list[Result | None] = [None] * len(prompts)
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+
+        async def worker() -> None:
+            while not todo.empty():
+                i = todo.get_nowait()
+                results[i] = await one_request(client, model, prompts[i], lengths[i])
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        return time.perf_counter() - t0, results  # type: ignore[return-value]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
+    p.add_argument("--clients", type=int, default=32, help="concurrent streaming clients (default 32)")
+    p.add_argument("--requests", type=int, default=128, help="requests in the workload (default 128)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="engine option, for both server and offline")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600, help="give up on the server run after this many seconds")
+    p.add_argument("--quick", action="store_true", help="short prompts and outputs (a smoke test)")
+    args = p.parse_args()
+    if not 1 <= args.clients <= 256 or not 1 <= args.requests <= 4096:
+        p.error("--clients must be in [1, 256] and --requests in [1, 4096]")
+
+    from nanolab import LLM, SamplingParams
+    from nanolab.loading import resolve_checkpoint
+
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs)
+    model_name = resolve_checkpoint(args.model).name
+    prompts, lengths = make_workload(llm.tokenizer, args.requests, args.seed, llm.engine.max_model_len, args.quick)
+    n_out = sum(lengths)
+    print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {n_out} output tokens; "
+          f"{args.clients} concurrent streaming clients; torch threads: {os.environ.get('OMP_NUM_THREADS', 'default')}")
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(args, port)
+    try:
+        wait_healthy(proc, url, timeout=120)
+        asyncio.run(run_clients(url, model_name, prompts[:2], lengths[:2], 2))  # warm-up
+        wall, results = asyncio.run(
+            asyncio.wait_for(run_clients(url, model_name, prompts, lengths, args.clients), args.timeout)
+        )
+        metrics = httpx.get(f"{url}/metrics").text
+    finally:
+        stop_server(proc)
+    mean_batch = next((float(x.split()[1]) for x in metrics.splitlines() if x.startswith("nanolab_mean_batch_size ")), 0.0)
+
+    ttft = [r.chunk_times[0] - r.sent for r in results if r.chunk_times]
+    itl = [b - a for r in results for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    assert sum(r.completion_tokens for r in results) == n_out, "the server generated a different number of tokens"
+
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    offline_wall = time.perf_counter() - t0
+    same = sum(r.text == o.outputs[0].text for r, o in zip(results, outs))
+
+    print(f"{'':10}{'req/s':>9}{'out tok/s':>11}{'wall s':>9}")
+    print(f"{'server':10}{len(results) / wall:9.2f}{n_out / wall:11.1f}{wall:9.2f}")
+    print(f"{'offline':10}{len(outs) / offline_wall:9.2f}{n_out / offline_wall:11.1f}{offline_wall:9.2f}")
+    print(f"throughput ratio server / offline: {offline_wall / wall:.2f}")
+    print(f"server TTFT  p50 {percentile(ttft, 50) * 1e3:8.1f} ms   p99 {percentile(ttft, 99) * 1e3:8.1f} ms")
+    print(f"server ITL   p50 {percentile(itl, 50) * 1e3:8.1f} ms   p99 {percentile(itl, 99) * 1e3:8.1f} ms")
+    print(f"server mean batch size: {mean_batch:.1f} (offline: {llm.stats()['mean_batch_size']:.1f})")
+    print(f"outputs equal to offline greedy: {same}/{len(outs)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+"""One engine, many connections: the engine runs in its own thread and talks to asyncio by messages.
+
+    HTTP handlers (asyncio event loop)             engine thread (the only code that touches the Engine)
+    ----------------------------------             -----------------------------------------------------
+    await add(prompts) --> command queue ------->  between two steps: take every queued command
+                       <-- "accepted" / ValueError   (add requests, abort requests)
+                                                   engine.step()   (all requests share one batch)
+    RequestGroup.queue <-- loop.call_soon_threadsafe -- each step's outputs, request by request
+
+One thread owns the `Engine`, so no lock guards it: the engine stays the single-threaded loop of Lab 7,
+and continuous batching happens by itself because every connection's requests land in the same
+engine. With nothing to do the thread blocks on the command queue (no busy waiting).
+
+Failure is contained: if a step raises, the requests that were running fail with `EngineStepError`
+(their KV blocks are freed by aborting them) and the thread goes on with the next command.
+
+Deliberately left out: several engines (data parallelism), request timeouts, back-pressure on the
+command queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nanolab.engine import Engine
+from nanolab.metrics import ServerMetrics
+from nanolab.request import RequestOutput
+from nanolab.sampling import SamplingParams
+
+log = logging.getLogger("nanolab.server")
+
+Prompt = str | list[int]
+
+
+class EngineStepError(RuntimeError):
+    """An engine step raised while this request was running; the request was stopped."""
+
+
+class EngineNotRunning(RuntimeError):
+    """The engine thread is not running (not started yet, or shut down)."""
+
+
+class RequestGroup:
+    """The requests of one API call (one per prompt) and the asyncio queue their outputs arrive on.
+
+    Queue items are ``(index, item)``: ``index`` is the prompt's position, ``item`` a `RequestOutput`
+    (incremental: read ``delta_text``; ``finished`` on the last one) or an `EngineStepError` (the
+    request's last item).
+    """
+
+    def __init__(self, group_id: str, size: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.group_id = group_id
+        self.request_ids = [f"{group_id}-{i}" for i in range(size)]
+        self.queue: asyncio.Queue[tuple[int, RequestOutput | EngineStepError]] = asyncio.Queue()
+        self.arrival = time.monotonic()
+        self._loop = loop
+
+    def deliver(self, index: int, item: RequestOutput | EngineStepError) -> None:
+        """Hand an item to the event loop (called from the engine thread)."""
+        try:
+            self._loop.call_soon_threadsafe(self.queue.put_nowait, (index, item))
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+@dataclass
+class _Add:
+    group: RequestGroup
+    prompts: list[Prompt]
+    params: list[SamplingParams]
+    accepted: concurrent.futures.Future
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass
+class _Live:
+    """What the engine thread tracks per running request, for routing outputs and for latency metrics."""
+
+    group: RequestGroup
+    index: int
+    last_token_time: float | None = None
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    """An `Engine` run by a background thread, driven from asyncio code."""
+
+    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics or ServerMetrics()
+        self._commands: queue.Queue[Any] = queue.Queue()
+        self._live: dict[str, _Live] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        engine.step_log = []  # per-step (requests, tokens, forward s, step s), drained into the metrics
+        self._publish()
+
+    # -- the asyncio side ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the engine thread was already started")
+        self._thread = threading.Thread(target=self._run, name="nanolab-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the thread: running requests are aborted (their streams end with finish_reason "abort")."""
+        if self._thread is None or self._stopping:
+            return
+        self._stopping = True
+        self._commands.put(_STOP)
+        self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    async def add(self, group_id: str, prompts: Sequence[Prompt], params: Sequence[SamplingParams]) -> RequestGroup:
+        """Queue one request per prompt; returns once the engine accepted them all.
+
+        Raises `ValueError` (and queues nothing) if any prompt could never run: empty, too long for
+        ``max_model_len``, a token id outside the vocabulary, ... Raises `EngineNotRunning` when stopped.
+        """
+        if not self.is_running:
+            raise EngineNotRunning("the engine is not running")
+        group = RequestGroup(group_id, len(prompts), asyncio.get_running_loop())
+        accepted: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Add(group, list(prompts), list(params), accepted))
+        await asyncio.wrap_future(accepted)
+        return group
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Ask the engine to stop these requests and free their KV blocks (unknown or finished ids: no-op)."""
+        if request_ids:
+            self._commands.put(_Abort(list(request_ids)))
+
+    # -- the engine thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            busy = self.engine.has_unfinished()
+            try:
+                cmd = self._commands.get_nowait() if busy else self._commands.get()  # idle: sleep here
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:  # take every queued command before the next step
+                if cmd is _STOP:
+                    self._stop_all()
+                    return
+                self._handle(cmd)
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if self.engine.has_unfinished():
+                self._step()
+            self._publish()
+
+    def _handle(self, cmd: _Add | _Abort) -> None:
+        try:
+            if isinstance(cmd, _Add):
+                self._add(cmd)
+            else:
+                for rid in cmd.request_ids:
+                    if rid in self._live:
+                        out = self.engine.abort(rid)
+                        if out is not None:
+                            self._route(out, time.monotonic())
+        except Exception as exc:  # a bug, not bad input: keep serving the others
+            log.exception("the engine thread failed to handle a command")
+            if isinstance(cmd, _Add) and not cmd.accepted.done():
+                cmd.accepted.set_exception(exc)
+
+    def _add(self, cmd: _Add) -> None:
+        if not cmd.accepted.set_running_or_notify_cancel():
+            return  # the handler gave up waiting (its client left): add nothing
+        engine = self.engine
+        try:
+            # Check every prompt before queueing any, so one bad prompt rejects the whole call.
+            tokenized = [engine.tokenize(p) for p in cmd.prompts]
+            for (_, ids), sp in zip(tokenized, cmd.params):
+                engine._check_admissible(ids, sp)
+        except ValueError as exc:
+            cmd.accepted.set_exception(exc)
+            return
+        for i, ((text, ids), sp, rid) in enumerate(zip(tokenized, cmd.params, cmd.group.request_ids)):
+            engine.add_request(ids, sp, request_id=rid, prompt_text=text)
+            self._live[rid] = _Live(cmd.group, i)
+            self.metrics.prompt_tokens.inc(len(ids))
+        cmd.accepted.set_result(None)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            log.exception("an engine step failed; failing the requests it was running")
+            self.metrics.step_errors.inc()
+            self._fail_running(exc)
+            return
+        finally:
+            self._drain_step_log()
+        now = time.monotonic()
+        for out in outputs:
+            self._route(out, now)
+
+    def _route(self, out: RequestOutput, now: float) -> None:
+        """Send an output to its group and account for it; forget the request once it finished."""
+        live = self._live.get(out.request_id)
+        if live is None:
+            return
+        m = self.metrics
+        n_new = len(out.outputs[0].delta_token_ids)
+        if n_new:
+            m.generation_tokens.inc(n_new)
+            if live.last_token_time is None:
+                m.ttft.observe(now - live.group.arrival)
+            else:
+                for _ in range(n_new):
+                    m.itl.observe((now - live.last_token_time) / n_new)
+            live.last_token_time = now
+        if out.finished:
+            m.requests.inc(status=out.outputs[0].finish_reason or "abort")
+            m.e2e.observe(now - live.group.arrival)
+            self._forget(out.request_id)
+        live.group.deliver(live.index, out)
+
+    def _fail_running(self, exc: Exception) -> None:
+        sched = self.engine.scheduler
+        # The requests of the failed step are the running ones. If none runs, the failure came from
+        # admitting a waiting request: fail those instead, or the next step would fail the same way.
+        victims = [r.request_id for r in (sched.running or sched.waiting)]
+        error = EngineStepError(f"the engine failed while running this request: {type(exc).__name__}: {exc}")
+        for rid in victims:
+            try:
+                self.engine.abort(rid)  # frees the request's KV blocks
+            except Exception:
+                log.exception("aborting request %s after a failed step also failed", rid)
+            live = self._live.get(rid)
+            if live is not None:
+                self.metrics.requests.inc(status="error")
+                self._forget(rid)
+                live.group.deliver(live.index, error)
+
+    def _forget(self, rid: str) -> None:
+        self._live.pop(rid, None)
+        self.engine.requests.pop(rid, None)  # the engine keeps finished requests; a server must not
+
+    def _stop_all(self) -> None:
+        for rid in list(self._live):
+            out = self.engine.abort(rid)
+            if out is not None:
+                self._route(out, time.monotonic())
+        while True:  # commands that arrived after the stop
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Add) and cmd.accepted.set_running_or_notify_cancel():
+                cmd.accepted.set_exception(EngineNotRunning("the server is shutting down"))
+        self._publish()
+
+    def _drain_step_log(self) -> None:
+        log_ = self.engine.step_log
+        if log_:
+            for num_seqs, *_ in log_:
+                self.metrics.batch_size.observe(num_seqs)
+            self.metrics.steps.inc(len(log_))
+            log_.clear()
+
+    def _publish(self) -> None:
+        """Copy the engine's state into the gauges (only this thread reads the engine)."""
+        engine, m = self.engine, self.metrics
+        stats = engine.stats()
+        allocator = engine.kv.allocator
+        cache = engine.kv.prefix_cache
+        m.mean_batch_size.set(stats["mean_batch_size"])
+        m.running.set(len(engine.scheduler.running))
+        m.waiting.set(len(engine.scheduler.waiting))
+        m.kv_total.set(allocator.num_total)
+        m.kv_free.set(allocator.num_free)
+        m.kv_cached.set(cache.total_size // engine.kv.block_size if cache is not None else 0)
+        m.kv_usage.set(engine.kv.usage())
+        m.prefix_hit_rate.set(stats["prefix_hit_rate"])

@@ -1,0 +1,129 @@
+"""Block tables: which KV blocks each running request holds, on top of an allocator and a prefix cache.
+
+The manager is the only place that turns "this request needs room for n more tokens" into allocator
+calls. It knows the paging arithmetic (a request with t tokens holds ceil(t / block_size) blocks) and the
+prefix cache protocol (see `nanolab.prefix_cache`): match and lock on admission, insert on completion of
+the prompt and on release, evict before giving up on an allocation.
+
+Reference counting invariant: a block's ref count equals the number of its holders, where a holder is a
+request whose block table lists it, or the prefix cache.
+"""
+
+from __future__ import annotations
+
+from nanolab.block_allocator import BlockAllocatorProtocol
+from nanolab.prefix_cache import PrefixCacheProtocol
+from nanolab.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Allocates and frees KV blocks for requests; uses the prefix cache when one is given."""
+
+    def __init__(
+        self,
+        allocator: BlockAllocatorProtocol,
+        block_size: int,
+        prefix_cache: PrefixCacheProtocol | None = None,
+    ) -> None:
+        if prefix_cache is not None and prefix_cache.block_size != block_size:
+            raise ValueError(
+                f"the prefix cache uses block_size {prefix_cache.block_size} but the KV cache uses {block_size}"
+            )
+        self.allocator = allocator
+        self.block_size = block_size
+        self.prefix_cache = prefix_cache
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.allocator.num_total
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def usage(self) -> float:
+        """Fraction of KV blocks held by requests or the prefix cache."""
+        return 1.0 - self.allocator.num_free / self.allocator.num_total
+
+    def _reserve(self, n: int) -> bool:
+        """Make sure n blocks are free, evicting unlocked prefix cache entries if needed."""
+        short = n - self.allocator.num_free
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(short)
+        return self.allocator.num_free >= n
+
+    def admit(self, req: Request, max_new_tokens: int | None) -> int | None:
+        """Give a waiting request its cached prefix and blocks for its next chunk.
+
+        Returns the number of tokens to compute this step: the tokens not served by the prefix cache,
+        capped at ``max_new_tokens`` (None: no cap). Returns None, changing nothing, when the blocks
+        cannot be had or the whole uncached part must fit and does not.
+        """
+        cache = self.prefix_cache
+        match = cache.match_prefix(req.all_token_ids) if cache is not None else None
+        cached = match.num_tokens if match else 0
+        num_new = req.num_tokens - cached
+        if max_new_tokens is not None:
+            num_new = min(num_new, max_new_tokens)
+        if num_new <= 0:
+            return None
+        cached_blocks = list(match.blocks) if match else []
+        needed = self.num_blocks_for(cached + num_new) - len(cached_blocks)
+        if match:
+            cache.lock(match.node)  # before evicting: the matched path must survive the eviction
+        if not self._reserve(needed):
+            if match:
+                cache.unlock(match.node)
+            return None
+        if match:
+            self.allocator.incref(cached_blocks)
+            cache.record(req.num_tokens, cached)
+            req.prefix_node = match.node
+        req.block_table = cached_blocks + self.allocator.allocate(needed)
+        req.num_computed_tokens = req.num_cached_tokens = cached
+        return num_new
+
+    def grow(self, req: Request, num_new_tokens: int) -> bool:
+        """Make room for a running request's next ``num_new_tokens`` tokens. False if blocks ran out."""
+        needed = self.num_blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.block_table)
+        if needed <= 0:
+            return True
+        if not self._reserve(needed):
+            return False
+        req.block_table += self.allocator.allocate(needed)
+        return True
+
+    def cache_computed(self, req: Request) -> None:
+        """Offer the request's computed full blocks to the prefix cache (the request keeps its own refs).
+
+        Called when a prompt is fully computed, so requests admitted later can share it while this one
+        still runs. The request's lock moves to the end of the newly cached path.
+        """
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        n = (req.num_computed_tokens // self.block_size) * self.block_size
+        if n == 0:
+            return
+        tokens = req.all_token_ids
+        cache.insert(tokens[:n], req.block_table[: n // self.block_size])
+        # Match n + 1 tokens so the match (capped at len - 1) can reach all n cached tokens.
+        node = cache.match_prefix(tokens[: n + 1]).node
+        cache.lock(node)
+        if req.prefix_node is not None:
+            cache.unlock(req.prefix_node)
+        req.prefix_node = node
+
+    def release(self, req: Request) -> None:
+        """Drop all of a request's blocks (finish, abort or preemption), caching what it computed."""
+        self.cache_computed(req)
+        if req.block_table:
+            self.allocator.free(req.block_table)
+        if req.prefix_node is not None:
+            self.prefix_cache.unlock(req.prefix_node)
+        req.block_table = []
+        req.prefix_node = None
+        req.num_computed_tokens = 0

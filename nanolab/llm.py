@@ -1,0 +1,145 @@
+"""`LLM`: offline generation with the reference engine, in vLLM's shape.
+
+from nanolab import LLM, SamplingParams
+llm = LLM()                                   # the bundled model
+outs = llm.generate(["def fibonacci(n):", "import os"], SamplingParams(max_tokens=32, temperature=0))
+print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from nanolab.engine import Engine, EngineConfig
+from nanolab.request import RequestOutput
+from nanolab.sampling import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """A model, its tokenizer and a continuous-batching engine.
+
+    ``model`` is None (the bundled model), a bundled model's name, a checkpoint directory that
+    `nanolab.load_model` reads (nanolab or Hugging Face), or a `Transformer` already in memory.
+    ``block_allocator``, ``prefix_cache`` and ``scheduler`` take a class (or instance) following
+    `BlockAllocatorProtocol`, `PrefixCacheProtocol` or `SchedulerProtocol`: a learner's own component
+    plugs in here. The other arguments are those of `EngineConfig`.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | Any = None,
+        tokenizer: Any = None,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int | None = None,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        scheduling_policy: str = "fcfs",
+        attention_backend: str = "auto",
+        block_allocator: Any = None,
+        prefix_cache: Any = None,
+        scheduler: Any = None,
+    ) -> None:
+        from nanolab.loading import load_model, load_tokenizer
+        from nanolab.model import Transformer
+
+        if isinstance(model, Transformer):
+            self.model = model
+        else:
+            self.model = load_model(model)
+            if tokenizer is None:
+                tokenizer = load_tokenizer(model)
+        self.tokenizer = tokenizer
+        config = EngineConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            scheduling_policy=scheduling_policy,
+            attention_backend=attention_backend,
+        )
+        self.engine = Engine(self.model, tokenizer, config, block_allocator, prefix_cache, scheduler)
+
+    def _add_all(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        priority: Sequence[int] | None,
+    ) -> list[str]:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]  # one prompt: a string or a list of token ids
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"got {len(prompts)} prompts but {len(params)} SamplingParams; give one or one each"
+                )
+        prios = list(priority) if priority is not None else [0] * len(prompts)
+        if len(prios) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(prios)} priorities")
+        # Check every prompt before queueing any, so a bad one leaves the engine untouched.
+        tokenized = [self.engine.tokenize(p) for p in prompts]
+        for (_, ids), sp in zip(tokenized, params):
+            self.engine._check_admissible(ids, sp)
+        return [
+            self.engine.add_request(ids, sp, priority=pr, prompt_text=text).request_id
+            for (text, ids), sp, pr in zip(tokenized, params, prios)
+        ]
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one finished `RequestOutput` per prompt, in input order."""
+        from tqdm.auto import tqdm
+
+        ids = self._add_all(prompts, sampling_params, priority)
+        done: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[i] for i in ids]
+
+    def stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yield incremental outputs as the engine produces them (``delta_text`` / ``delta_token_ids``)."""
+        ids = set(self._add_all(prompts, sampling_params, priority))
+        remaining = set(ids)
+        while remaining:
+            for out in self.engine.step():
+                if out.request_id in ids:
+                    if out.finished:
+                        remaining.discard(out.request_id)
+                    yield out
+
+    def stats(self) -> dict[str, Any]:
+        """Engine counters: steps, generated tokens, throughput, mean batch size, KV usage, prefix hits, ..."""
+        return self.engine.stats()

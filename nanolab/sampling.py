@@ -1,0 +1,159 @@
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p (nucleus) and min-p.
+
+`SamplingParams` carries one request's settings, with vLLM's field names. `sample` picks one token per row
+of a batch of logits, each row with its own parameters and its own random generator: a request's sampled
+tokens depend only on its logits, its parameters and its seed, never on what else is in the batch.
+
+The filters run in Hugging Face's order — temperature, then top-k, then top-p, then min-p — and keep the
+same tokens as HF's logits warpers (`filter_logits` exposes the result for tests and plots).
+
+Deliberately left out: repetition/frequency penalties, logit bias, beam search, logprobs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick one request's output tokens (vLLM's names and defaults).
+
+    ``temperature == 0`` means greedy (always the most likely token). ``stop`` accepts one string or a list.
+    Every field is checked on construction; a bad value raises `ValueError` naming it and the allowed range.
+    """
+
+    max_tokens: int = 16  # most tokens to generate (>= 1)
+    temperature: float = 1.0  # logits are divided by it; 0 = greedy
+    top_p: float = 1.0  # keep the smallest set of most likely tokens whose probability reaches top_p; 1 = off
+    top_k: int = -1  # keep the k most likely tokens; -1 = off
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one; 0 = off
+    seed: int | None = None  # seeds this request's own generator; None = torch's global generator
+    stop: list[str] | None = None  # stop when the output text contains one of these (excluded from the text)
+    stop_token_ids: list[int] | None = None  # stop after generating one of these token ids
+    ignore_eos: bool = False  # keep going past the end-of-sequence token
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
+            )
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+            raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is not None:
+            if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            object.__setattr__(self, "stop", list(stop))
+        ids = self.stop_token_ids
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+                raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), got {ids!r}")
+            object.__setattr__(self, "stop_token_ids", list(ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(seed: int | None) -> torch.Generator | None:
+    """A generator seeded with ``seed``, or None (use torch's global generator) when seed is None."""
+    if seed is None:
+        return None
+    return torch.Generator().manual_seed(seed)
+
+
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """(B, V) logits -> (B, V) logits to sample from: temperature applied, filtered tokens at -inf.
+
+    Row b follows ``params[b]``; softmax of a row is the distribution `sample` draws from. A greedy row
+    keeps only its argmax. Every row keeps at least its most likely token.
+    """
+    if logits.ndim != 2 or logits.shape[0] != len(params):
+        raise ValueError(
+            f"expected logits (B, V) with B = len(params) = {len(params)}, got {tuple(logits.shape)}"
+        )
+    B, V = logits.shape
+    device = logits.device
+    logits = logits.float()
+    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)  # greedy rows: 1
+    out = logits / temperature[:, None]  # (B, V)
+    remove: torch.Tensor | None = None  # (B, V) bool: True = filtered out (None: nothing filtered yet)
+
+    ranked = [p.top_k != -1 or p.top_p < 1 for p in params]
+    if any(ranked):
+        # top-k and top-p act on ranks: rank the candidates once (only the top max(k) when every ranked
+        # row has a k, much cheaper than sorting the whole vocabulary), decide in rank order, and
+        # scatter the decision back to token order.
+        ks = [p.top_k for p, r in zip(params, ranked) if r]
+        window = V if -1 in ks else min(V, max(ks))
+        sorted_logits, order = out.topk(window, dim=-1)  # (B, window), descending
+        rank = torch.arange(window, device=device)[None, :]
+        top_k = torch.tensor([p.top_k if p.top_k != -1 else V for p in params], device=device)
+        sorted_remove = rank >= top_k[:, None]
+        probs = sorted_logits.masked_fill(sorted_remove, -math.inf).softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # probability of the strictly more likely tokens
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        sorted_remove |= (before >= top_p[:, None]) & (top_p[:, None] < 1)
+        sorted_remove[:, 0] = False  # the most likely token always stays
+        remove = torch.ones(B, V, dtype=torch.bool, device=device).scatter_(1, order, sorted_remove)
+        if not all(ranked):  # rows without top-k/top-p keep everything (so far)
+            remove &= torch.tensor(ranked, device=device)[:, None]
+
+    if any(p.min_p > 0 for p in params):
+        probs = (out if remove is None else out.masked_fill(remove, -math.inf)).softmax(dim=-1)
+        min_p = torch.tensor([p.min_p for p in params], device=device)
+        unlikely = probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        remove = unlikely if remove is None else remove | unlikely
+
+    greedy = [p.greedy for p in params]
+    if any(greedy):  # keep only the argmax (the first one on ties, like torch.argmax)
+        rows = torch.tensor(greedy, device=device)[:, None]
+        only_argmax = torch.ones(B, V, dtype=torch.bool, device=device)
+        only_argmax.scatter_(1, logits.argmax(dim=-1, keepdim=True), False)
+        remove = only_argmax & rows if remove is None else torch.where(rows, only_argmax, remove)
+    return out if remove is None else out.masked_fill(remove, -math.inf)
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """One token id per row of (B, V) logits -> (B,) int64.
+
+    Greedy rows take the exact argmax. Other rows draw from softmax(`filter_logits`) with the Gumbel-max
+    trick: the winner is argmax(logits_i + G_i) with G_i = -log(-log U_i), U_i uniform, which picks i
+    with probability softmax(logits)_i. Row b's U comes from ``generators[b]`` (torch's global generator
+    when None), so seeded output does not depend on what else is in the batch.
+    """
+    if len(generators) != len(params):
+        raise ValueError(f"got {len(params)} SamplingParams but {len(generators)} generators")
+    result = logits.argmax(dim=-1)
+    rows = [b for b, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return result
+    sampled = logits if len(rows) == len(params) else logits[rows]
+    filtered = filter_logits(sampled, [params[b] for b in rows])  # (R, V)
+    # Drawn on the CPU (where `make_generator`'s generators live) so a seed gives the same tokens anywhere.
+    gumbel = torch.empty(filtered.shape, dtype=torch.float32)
+    for i, b in enumerate(rows):
+        gumbel[i].uniform_(generator=generators[b])
+    gumbel.log_().neg_().log_().neg_()  # -log(-log U); U = 0 gives -inf: that token cannot win, no nan
+    result[rows] = filtered.add_(gumbel.to(filtered.device)).argmax(dim=-1)
+    return result

@@ -1,0 +1,90 @@
+"""Run every solution notebook top to bottom on a real Jupyter kernel, and fail on any error.
+
+    python scripts/run_solutions.py                   # all of solutions/lab*.ipynb
+    python scripts/run_solutions.py solutions/lab01_tokenizer.ipynb
+
+Notebooks run with nbclient on the ``python3`` kernel of this interpreter's environment (registered
+inside it with ``python -m ipykernel install --sys-prefix`` if it is missing), on the CPU, with the
+notebook's own folder as the working directory. Executed copies go to build/solutions/, never back
+into solutions/. Each notebook must finish within ``--timeout`` seconds (default 120); the time each
+one took is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "build" / "solutions"
+KERNEL = "python3"
+
+
+def ensure_kernel() -> None:
+    """Make sure this environment has its own ``python3`` kernelspec, so the venv's Python runs the notebooks."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    specs = KernelSpecManager().find_kernel_specs()
+    own = Path(sys.prefix).resolve()
+    if KERNEL in specs and Path(specs[KERNEL]).resolve().is_relative_to(own):
+        return
+    subprocess.run([sys.executable, "-m", "ipykernel", "install", "--sys-prefix", "--name", KERNEL], check=True)
+
+
+def run_notebook(path: Path, timeout: float) -> float:
+    """Execute ``path`` and write the executed copy to build/solutions/; returns the seconds it took."""
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(str(path), as_version=4)
+    client = NotebookClient(
+        nb,
+        kernel_name=KERNEL,
+        timeout=timeout,  # per cell; the whole notebook is checked against `timeout` below
+        resources={"metadata": {"path": str(path.parent)}},
+    )
+    start = time.perf_counter()
+    client.execute(env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "MPLBACKEND": "module://matplotlib_inline.backend_inline"})
+    elapsed = time.perf_counter() - start
+    OUT.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, str(OUT / path.name))
+    return elapsed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("notebooks", nargs="*", type=Path, help="default: solutions/lab*.ipynb")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds each notebook may take (default 120)")
+    args = parser.parse_args(argv)
+    notebooks = args.notebooks or sorted((ROOT / "solutions").glob("lab*.ipynb"))
+    if not notebooks:
+        print("no solution notebooks to run", file=sys.stderr)
+        return 1
+    ensure_kernel()
+    failed = []
+    for path in notebooks:
+        print(f"running   {path.name} ...", flush=True)
+        try:
+            elapsed = run_notebook(path.resolve(), args.timeout)
+        except Exception as e:  # nbclient's CellExecutionError carries the cell and its traceback
+            failed.append(path.name)
+            print(f"FAILED    {path.name}\n{e}", file=sys.stderr)
+            continue
+        if elapsed > args.timeout:
+            failed.append(path.name)
+            print(f"TOO SLOW  {path.name}: {elapsed:.1f} s (limit {args.timeout:.0f} s)", file=sys.stderr)
+        else:
+            print(f"ok        {path.name}: {elapsed:.1f} s (executed copy in {OUT.relative_to(ROOT)})")
+    if failed:
+        print(f"{len(failed)} of {len(notebooks)} solution notebooks failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
