@@ -1,0 +1,64 @@
+"""The `nanolab` command line: info, generate and bench on a small checkpoint."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from engine_utils import tiny_model
+
+from nanolab import LLM, SamplingParams, Tokenizer
+from nanolab.cli import main
+from nanolab.loading import save_model
+
+TEXT = "def f(x):\n    return x * 2\n\nprint(f(3))\nimport sys\n" * 30
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    tok = Tokenizer.train(TEXT, 280, special_tokens=["<|endoftext|>"])
+    model = tiny_model("llama", seed=9, vocab_size=tok.vocab_size, max_seq_len=256)
+    return save_model(model, tmp_path_factory.mktemp("cli"), tok)
+
+
+def test_info_names_the_kernels(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "nanolab" in out and ("cpp" in out or "python" in out)
+
+
+def test_generate_streams_the_same_text_as_the_api(checkpoint, capsys):
+    assert main(["generate", "def f", "--model", str(checkpoint), "--max-tokens", "10"]) == 0
+    printed = capsys.readouterr().out
+    llm = LLM(checkpoint)
+    expected = llm.generate("def f", SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)[0]
+    assert printed == "def f" + expected.outputs[0].text + "\n"
+
+
+def test_generate_reports_bad_arguments_without_a_traceback(checkpoint, capsys):
+    assert main(["generate", "x", "--model", str(checkpoint), "--temperature", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "temperature must be" in err and "Traceback" not in err
+    assert main(["generate", "x", "--model", str(checkpoint / "missing")]) == 2
+
+
+def test_bench_prints_throughput_and_latency(checkpoint):
+    cmd = [
+        sys.executable,
+        "-m",
+        "nanolab.cli",
+        "bench",
+        "--model",
+        str(checkpoint),
+        "--num-prompts",
+        "6",
+        "--input-len",
+        "16",
+        "--output-len",
+        "8",
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    for needle in ("requests: 6", "output tokens/s", "TTFT", "TPOT", "mean batch size"):
+        assert needle in res.stdout
