@@ -64,24 +64,25 @@ class KVCacheManager:
         """
         cache = self.prefix_cache
         match = cache.match_prefix(req.all_token_ids) if cache is not None else None
-        cached = match.num_tokens if match else 0
+        cached_blocks = list(match.blocks) if match is not None else []
+        cached = match.num_tokens if match is not None else 0
         num_new = req.num_tokens - cached
         if max_new_tokens is not None:
             num_new = min(num_new, max_new_tokens)
         if num_new <= 0:
             return None
-        cached_blocks = list(match.blocks) if match else []
         needed = self.num_blocks_for(cached + num_new) - len(cached_blocks)
-        if match:
+        if match is not None:
             cache.lock(match.node)  # before evicting: the matched path must survive the eviction
         if not self._reserve(needed):
-            if match:
+            if match is not None:
                 cache.unlock(match.node)
             return None
-        if match:
+        if match is not None:
             self.allocator.incref(cached_blocks)
-            cache.record(req.num_tokens, cached)
             req.prefix_node = match.node
+            if req.num_preemptions == 0:  # count each prompt once, not again when it is recomputed
+                cache.record(req.num_prompt_tokens, min(cached, req.num_prompt_tokens))
         req.block_table = cached_blocks + self.allocator.allocate(needed)
         req.num_computed_tokens = req.num_cached_tokens = cached
         return num_new

@@ -14,7 +14,8 @@ How the engine drives a prefix cache, for one request:
    ``cache.evict(n)`` first when the allocator is short of free blocks).
 3. When the request finishes: ``cache.insert(tokens, full_blocks)`` hands the tree the blocks it does
    not have yet (the tree takes its own reference), then the request frees all of its own references
-   (``allocator.free(block_table)``) and calls ``cache.unlock(m.node)``.
+   (``allocator.free(block_table)``) and calls ``cache.unlock(m.node)``. ``tokens`` are the tokens
+   whose KV is in the blocks: the last sampled token has none yet, so it is left out.
 """
 
 from __future__ import annotations

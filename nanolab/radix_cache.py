@@ -39,7 +39,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from nanolab.block_allocator import BlockAllocatorProtocol
 from nanolab.prefix_cache import MatchResult, PrefixCacheProtocol, PrefixCacheStats
@@ -118,11 +118,8 @@ class RadixCache:
                 f"cached_tokens must be between 0 and prompt_tokens ({prompt_tokens}), got {cached_tokens}"
             )
         s = self._stats
-        self._stats = replace(
-            s,
-            num_requests=s.num_requests + 1,
-            prompt_tokens=s.prompt_tokens + prompt_tokens,
-            cached_tokens=s.cached_tokens + cached_tokens,
+        self._stats = PrefixCacheStats(
+            s.num_requests + 1, s.prompt_tokens + prompt_tokens, s.cached_tokens + cached_tokens
         )
 
     def stats(self) -> PrefixCacheStats:
@@ -209,7 +206,7 @@ class RadixCache:
             n.last_access = self._clock
             n = n.parent
         if self._is_evictable_leaf(node):
-            pass  # new time, new heap entry; ``node`` is the only leaf the path can hold
+            self._push(node)  # new time, new heap entry; ``node`` is the only leaf the path can hold
 
     # --- locks -----------------------------------------------------------------------------------
 

@@ -498,7 +498,7 @@ class EngineLikeUseBlockSize3(EngineLikeUse):
     make_allocator = BlockAllocator
 
 
-_machine_settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+_machine_settings = settings(max_examples=75, stateful_step_count=40, deadline=None)
 TestEngineLikeUse = EngineLikeUse.TestCase
 TestEngineLikeUse.settings = _machine_settings
 TestEngineLikeUseBlockSize1 = EngineLikeUseBlockSize1.TestCase
