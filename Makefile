@@ -35,6 +35,14 @@ lint: setup
 	$(VENV)/bin/ruff check $(LINT_DIRS)
 	$(VENV)/bin/ruff format --check $(LINT_DIRS)
 
+## labs: regenerate labs/ from solutions/ (solutions and outputs cleared, cells locked; deterministic)
+labs: setup
+	$(PY) scripts/make_labs.py
+
+## solutions: run every solution notebook top to bottom on a Jupyter kernel (fails on any error)
+solutions: setup
+	$(PY) scripts/run_solutions.py
+
 ## bench: run every benchmark in bench/ (prints ratios against baselines measured in the same run)
 bench: setup
 	@set -e; for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b; done

@@ -6,9 +6,9 @@ patch this module, write to the pipe itself or exit. That is fine, because the g
 verdict in its own process from plain data it decodes itself (`autograder.codec`); this process can
 only answer wrongly, slowly or not at all, and each of those fails the test that asked.
 
-Before any submission code runs it limits itself (address space, CPU time, file size, no core
-files), confines writes to its working directory with Landlock where the kernel offers it, and
-installs an import blocker for the reference modules of the lab being graded.
+Before any submission code runs it confines itself (`autograder.confine`): resource limits,
+Landlock where the kernel offers it, and an import blocker for the reference modules of the lab.
+Each request carries an id that its reply repeats, so a reply written ahead of time is refused.
 
 Requests (one JSON object each, see `autograder.codec` for framing and values)::
 
@@ -17,18 +17,17 @@ Requests (one JSON object each, see `autograder.codec` for framing and values)::
     {"op": "call", "target": handle, "args": [...], "kwargs": {...}}         call a handle
     {"op": "ping"}
 
-Replies: ``{"ok": true, "value": ...}`` or ``{"ok": false, "error": {"type", "message", "traceback"}}``.
+Replies: ``{"ok": true, "value": ..., "id": ...}`` or ``{"ok": false, "error": {"type", "message",
+"traceback"}, "id": ...}``. The first message, sent unasked, says what confinement took effect.
 """
 
 from __future__ import annotations
 
 import builtins
-import ctypes
-import importlib.abc
+import codeop
 import json
 import linecache
 import os
-import resource
 import sys
 import sysconfig
 import traceback
@@ -36,104 +35,10 @@ import types
 from typing import Any
 
 from autograder import codec
+from autograder.confine import apply_limits, block_imports, confine
 
 CELL_PREFIX = "<cell "
 _STDLIB = sysconfig.get_paths()["stdlib"]
-
-
-# ---------------------------------------------------------------------------------------------- limits
-
-
-def _vm_bytes() -> int:
-    """The process's current address-space size, read from /proc (0 where there is no /proc)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmSize:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def apply_limits(memory_mb: int, cpu_s: int, file_mb: int) -> None:
-    """Cap address space (on top of what is mapped now), CPU seconds and written file size."""
-
-    def cap(which: int, value: int) -> None:
-        soft, hard = resource.getrlimit(which)
-        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-        resource.setrlimit(which, (value, hard if which != resource.RLIMIT_CPU else value + 5))
-
-    cap(resource.RLIMIT_CORE, 0)
-    cap(resource.RLIMIT_CPU, cpu_s)
-    cap(resource.RLIMIT_FSIZE, file_mb * 1024 * 1024)
-    if memory_mb > 0:
-        cap(resource.RLIMIT_AS, _vm_bytes() + memory_mb * 1024 * 1024)
-
-
-# Landlock (Linux >= 5.13): an unprivileged process can give up its own right to write files.
-_LL_CREATE_RULESET, _LL_ADD_RULE, _LL_RESTRICT_SELF = 444, 445, 446
-_LL_WRITE_FILE, _LL_TRUNCATE = 1 << 1, 1 << 14
-# remove dir/file, make char/dir/reg/sock/fifo/block/sym
-_LL_DIR_WRITES = sum(1 << b for b in (4, 5, 6, 7, 8, 9, 10, 11, 12))
-_LL_REFER = 1 << 13
-
-
-class _PathBeneath(ctypes.Structure):
-    _pack_ = 1
-    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
-
-
-def confine_writes(writable_dir: str) -> bool:
-    """Forbid writing anywhere except under ``writable_dir`` (and /dev/null). False if unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.syscall.restype = ctypes.c_long
-        abi = libc.syscall(_LL_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
-        if abi < 1:
-            return False
-        handled = _LL_WRITE_FILE | _LL_DIR_WRITES
-        handled |= _LL_REFER if abi >= 2 else 0
-        handled |= _LL_TRUNCATE if abi >= 3 else 0
-        attr = ctypes.c_uint64(handled)  # struct landlock_ruleset_attr, first field only
-        ruleset = libc.syscall(_LL_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(8), ctypes.c_uint32(0))
-        if ruleset < 0:
-            return False
-        file_rights = handled & (_LL_WRITE_FILE | _LL_TRUNCATE)
-        for path, rights in ((writable_dir, handled), ("/dev/null", file_rights)):
-            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-            rule = _PathBeneath(rights, fd)
-            ok = libc.syscall(_LL_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(1), ctypes.byref(rule), 0)
-            os.close(fd)
-            if ok != 0:
-                return False
-        if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS, required before restrict_self
-            return False
-        return libc.syscall(_LL_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-class ImportBlocker(importlib.abc.MetaPathFinder):
-    """Refuses to import the given modules (and their submodules), saying why."""
-
-    def __init__(self, blocked: dict[str, str]):
-        self.blocked = blocked
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
-        for name, why in self.blocked.items():
-            if fullname == name or fullname.startswith(name + "."):
-                raise ImportError(f"`{fullname}` cannot be imported while this lab is graded: {why}", name=fullname)
-        return None
-
-
-def block_imports(blocked: dict[str, str]) -> None:
-    for name in list(sys.modules):
-        if any(name == b or name.startswith(b + ".") for b in blocked):
-            del sys.modules[name]
-    sys.meta_path.insert(0, ImportBlocker(blocked))
 
 
 # ---------------------------------------------------------------------------------------------- objects
@@ -145,6 +50,9 @@ class Worker:
     def __init__(self) -> None:
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
         self.handles: dict[int, Any] = {}
+        # Like IPython: a cell's `from __future__ import ...` holds for the cells after it, and the
+        # worker's own future imports do not leak into the submission's code.
+        self.compile = codeop.Compile()
 
     def handle(self, obj: Any) -> dict:
         self.handles[id(obj)] = obj
@@ -172,7 +80,7 @@ class Worker:
             source = cell["source"]
             linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
             try:
-                exec(compile(source, filename, "exec"), self.namespace)
+                exec(self.compile(source, filename, "exec"), self.namespace)
                 results.append({"id": cell["id"], "error": None})
             except BaseException as e:  # noqa: B036 - SystemExit in a cell is the cell's failure
                 results.append({"id": cell["id"], "error": describe(e)})
@@ -242,7 +150,9 @@ def _foreign_parts(obj: Any) -> list[str]:
     if filename is None:
         module = getattr(obj, "__module__", None) or type(obj).__module__
         return [f"{module}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"]
-    return [] if filename.startswith(CELL_PREFIX) else [f"{getattr(obj, '__qualname__', '?')} from {filename}"]
+    return (
+        [] if filename.startswith(CELL_PREFIX) else [f"{getattr(obj, '__qualname__', '?')} from {filename}"]
+    )
 
 
 def describe(e: BaseException) -> dict:
@@ -294,10 +204,12 @@ def main() -> None:
             pass
     sys.stdin = open(os.devnull)  # noqa: SIM115 - stdin stays closed for the submission
     apply_limits(config["memory_mb"], config["cpu_s"], config["file_mb"])
-    confined = confine_writes(os.getcwd()) if config.get("confine", True) else False
+    confined = confine(os.getcwd()) if config.get("confine", True) else {"writes": False, "signals": False}
     block_imports(config.get("blocked", {}))
     sys.argv = ["submission"]
-    codec.write_message(write_fd, {"ok": True, "value": codec.encode({"confined": confined, "pid": os.getpid()})})
+    codec.write_message(
+        write_fd, {"ok": True, "value": codec.encode({"confined": confined, "pid": os.getpid()})}
+    )
     serve(read_fd, write_fd)
 
 

@@ -26,7 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("notebooks", nargs="+", metavar="NOTEBOOK", help="submitted .ipynb files")
     parser.add_argument("--lab", type=int, help="grade as this lab (default: the lab named in each notebook)")
     parser.add_argument(
-        "--tests", type=Path, default=DEFAULT_TESTS_DIR, metavar="DIR", help="folder of hidden tests test_labNN*.py"
+        "--tests",
+        type=Path,
+        default=DEFAULT_TESTS_DIR,
+        metavar="DIR",
+        help="folder of hidden tests test_labNN*.py",
     )
     parser.add_argument(
         "--gradescope",
@@ -35,16 +39,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write Gradescope's results.json to F (several notebooks: F is a folder, one file each)",
     )
     parser.add_argument("--json", type=Path, metavar="F", help="write all results as a JSON list to F")
-    parser.add_argument("--csv", type=Path, metavar="F", help="write one row per notebook, one column per test")
-    parser.add_argument("--jobs", type=int, default=1, metavar="N", help="notebooks graded in parallel (default 1)")
     parser.add_argument(
-        "--timeout", type=float, default=30.0, metavar="S", help="seconds one call into a notebook's code may take"
+        "--csv", type=Path, metavar="F", help="write one row per notebook, one column per test"
     )
     parser.add_argument(
-        "--memory-mb", type=int, default=None, metavar="M", help="memory for a notebook's code (default: per lab)"
+        "--jobs", type=int, default=1, metavar="N", help="notebooks graded in parallel (default 1)"
     )
-    parser.add_argument("--seed", type=int, default=None, help="seed of the tests' random inputs (default: fresh)")
-    parser.add_argument("--details", action="store_true", help="print every test's result, also for many notebooks")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds one call into a notebook's code may take",
+    )
+    parser.add_argument(
+        "--memory-mb",
+        type=int,
+        default=None,
+        metavar="M",
+        help="memory for a notebook's code (default: per lab)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=None, help="seed of the tests' random inputs (default: fresh)"
+    )
+    parser.add_argument(
+        "--details", action="store_true", help="print every test's result, also for many notebooks"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.tests.is_dir():
         print(f"nanolab grade: the tests folder {args.tests} does not exist", file=sys.stderr)
         return 2
-    limits = Limits(call_timeout_s=args.timeout, load_timeout_s=max(60.0, 2 * args.timeout), memory_mb=args.memory_mb)
+    limits = Limits(
+        call_timeout_s=args.timeout, load_timeout_s=max(60.0, 2 * args.timeout), memory_mb=args.memory_mb
+    )
     options = GradeOptions(lab=args.lab, tests_dir=args.tests, limits=limits, seed=args.seed)
     jobs = min(args.jobs, os.cpu_count() or 1, len(args.notebooks))
     results = grade(args.notebooks, options, jobs=jobs, progress=sys.stderr.isatty())

@@ -84,7 +84,9 @@ def encode(value: Any, make_handle: Callable[[Any], dict] | None = None, _depth:
         return {"$s": [encode(v, make_handle, _depth + 1) for v in value]}
     if isinstance(value, dict):
         items = dict.items(value)
-        return {"$d": [[encode(k, make_handle, _depth + 1), encode(v, make_handle, _depth + 1)] for k, v in items]}
+        return {
+            "$d": [[encode(k, make_handle, _depth + 1), encode(v, make_handle, _depth + 1)] for k, v in items]
+        }
     kind = type(value).__module__.split(".")[0]
     if kind == "numpy":
         encoded = _encode_numpy(value)

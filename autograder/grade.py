@@ -90,7 +90,9 @@ def grade_notebook(path: str | Path, options: GradeOptions, tests: dict[str, byt
 
     test_files = sorted(n for n in tests if n.startswith(spec.test_prefix) and n.endswith(".py"))
     if not test_files:
-        result.internal_error = f"no hidden tests for lab {spec.number}: expected {spec.test_prefix}*.py in {options.tests_dir}"
+        result.internal_error = (
+            f"no hidden tests for lab {spec.number}: expected {spec.test_prefix}*.py in {options.tests_dir}"
+        )
         result.messages.append(result.internal_error)
         return result
 
@@ -100,8 +102,23 @@ def grade_notebook(path: str | Path, options: GradeOptions, tests: dict[str, byt
         for name, source in tests.items():
             (Path(tmp) / name).write_bytes(source)
         (Path(tmp) / "pytest.ini").write_text("[pytest]\n")
-        args = ["-q", "--no-header", "--assert=plain", "--tb=no", "--import-mode=importlib", "-p", "no:cacheprovider"]
-        args += ["-W", "ignore::pytest.PytestAssertRewriteWarning", "--rootdir", tmp, "-c", f"{tmp}/pytest.ini"]
+        args = [
+            "-q",
+            "--no-header",
+            "--assert=plain",
+            "--tb=no",
+            "--import-mode=importlib",
+            "-p",
+            "no:cacheprovider",
+        ]
+        args += [
+            "-W",
+            "ignore::pytest.PytestAssertRewriteWarning",
+            "--rootdir",
+            tmp,
+            "-c",
+            f"{tmp}/pytest.ini",
+        ]
         log = io.StringIO()
         try:
             with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
@@ -111,7 +128,15 @@ def grade_notebook(path: str | Path, options: GradeOptions, tests: dict[str, byt
             _forget_modules(tmp)
     result.confined = session.sandbox.confined if session.sandbox is not None else None
     result.tests = [
-        TestResult(r.id, r.name, r.max_score if r.status == "passed" else 0.0, r.max_score, r.status, r.output, r.visibility)
+        TestResult(
+            r.id,
+            r.name,
+            r.max_score if r.status == "passed" else 0.0,
+            r.max_score,
+            r.status,
+            r.output,
+            r.visibility,
+        )
         for r in plugin.records.values()
     ]
     if plugin.collection_errors or (not plugin.records and code not in (0, 1)):
@@ -130,7 +155,19 @@ def _forget_modules(directory: str) -> None:
 
 
 def _grade_task(path: str, options: GradeOptions, tests: dict[str, bytes]) -> dict:
+    _not_dumpable()
     return grade_notebook(path, options, tests).to_dict()
+
+
+def _not_dumpable() -> None:
+    """Linux: stop other processes of this user (a sandbox) from ptracing this grader or reading its memory."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 0
+        except (OSError, AttributeError):
+            pass
 
 
 def _digest(files: dict[str, bytes]) -> dict[str, str]:
@@ -158,8 +195,12 @@ def _check_tests_unchanged(options: GradeOptions, tests: dict[str, bytes], resul
 
 
 def _internal_failure(path: str, options: GradeOptions, error: BaseException) -> SubmissionResult:
-    message = f"the grader failed on this notebook ({type(error).__name__}: {error}); grade it again on its own"
-    return SubmissionResult(submission=path, lab=options.lab, graded=False, messages=[message], internal_error=message)
+    message = (
+        f"the grader failed on this notebook ({type(error).__name__}: {error}); grade it again on its own"
+    )
+    return SubmissionResult(
+        submission=path, lab=options.lab, graded=False, messages=[message], internal_error=message
+    )
 
 
 def grade(
@@ -168,37 +209,49 @@ def grade(
     jobs: int = 1,
     progress: bool = True,
 ) -> list[SubmissionResult]:
-    """Grade ``paths`` (``jobs`` at a time) and return their results in the same order."""
+    """Grade ``paths`` (``jobs`` at a time) and return their results in the same order.
+
+    If a grading worker dies (which a submission should not be able to cause, but might where the
+    kernel lacks Landlock), the notebooks it left unfinished are graded again one by one, each in a
+    fresh worker, so one notebook can only ever spoil its own result.
+    """
     from tqdm.auto import tqdm
 
     options = options or GradeOptions()
     tests = load_tests(options.tests_dir)
     paths = [str(p) for p in paths]
     results: dict[int, SubmissionResult] = {}
-    pending = list(range(len(paths)))
-    context = multiprocessing.get_context("spawn")
-    with tqdm(total=len(paths), desc="grading", unit="notebook", disable=not progress or len(paths) < 2, file=sys.stderr) as bar:
-        attempts = 0
-        while pending and attempts < 2:
-            attempts += 1
-            retry: list[int] = []
-            workers = max(1, min(jobs, len(pending)))
-            with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-                futures: dict[Future, int] = {pool.submit(_grade_task, paths[i], options, tests): i for i in pending}
-                for future in as_completed(futures):
-                    i = futures[future]
-                    try:
-                        result = SubmissionResult.from_dict(future.result())
-                    except BrokenProcessPool as e:
-                        if attempts < 2:
-                            retry.append(i)
-                            continue
-                        result = _internal_failure(paths[i], options, e)
-                    except Exception as e:  # a bug in the grader: report it, keep grading the others
-                        result = _internal_failure(paths[i], options, e)
-                    _check_tests_unchanged(options, tests, result)
-                    results[i] = result
-                    bar.update()
-            pending = retry
-            jobs = 1  # after a crash, go one notebook at a time
+
+    def run_pool(indices: list[int], workers: int) -> list[int]:
+        """Grade ``indices`` in one pool; returns those left unfinished because the pool broke."""
+        broken = []
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+            futures: dict[Future, int] = {
+                pool.submit(_grade_task, paths[i], options, tests): i for i in indices
+            }
+            for future in as_completed(futures):
+                i = futures[future]
+                try:
+                    result = SubmissionResult.from_dict(future.result())
+                except BrokenProcessPool:
+                    broken.append(i)
+                    continue
+                except Exception as e:  # a bug in the grader: report it, keep grading the others
+                    result = _internal_failure(paths[i], options, e)
+                _check_tests_unchanged(options, tests, result)
+                results[i] = result
+                bar.update()
+        return broken
+
+    with tqdm(
+        total=len(paths), desc="grading", unit="notebook", disable=not progress or len(paths) < 2
+    ) as bar:
+        broken = run_pool(list(range(len(paths))), max(1, min(jobs, len(paths))))
+        for i in sorted(broken):
+            if run_pool([i], 1):
+                results[i] = _internal_failure(
+                    paths[i], options, BrokenProcessPool("its grading process died")
+                )
+                bar.update()
     return [results[i] for i in range(len(paths))]

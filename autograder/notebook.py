@@ -79,26 +79,27 @@ def read_notebook(path: Path) -> dict:
         raise SubmissionError(f"{path} does not exist")
     if not path.is_file():
         raise SubmissionError(f"{path} is not a file")
+    name = path.name
     size = path.stat().st_size
     if size > MAX_NOTEBOOK_BYTES:
         raise SubmissionError(
-            f"{path} is {size / 1e6:.0f} MB; notebooks over {MAX_NOTEBOOK_BYTES // 2**20} MB are not graded "
+            f"{name} is {size / 1e6:.0f} MB; notebooks over {MAX_NOTEBOOK_BYTES // 2**20} MB are not graded "
             "(clear the outputs: Edit > Clear Outputs of All Cells, then save)"
         )
     try:
         nb = json.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError:
-        raise SubmissionError(f"{path} is not a notebook: it is not UTF-8 text") from None
+        raise SubmissionError(f"{name} is not a notebook: it is not UTF-8 text") from None
     except (ValueError, RecursionError) as e:
-        raise SubmissionError(f"{path} is not a notebook: it is not valid JSON ({str(e)[:120]})") from None
+        raise SubmissionError(f"{name} is not a notebook: it is not valid JSON ({str(e)[:120]})") from None
     if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
-        raise SubmissionError(f"{path} is not a Jupyter notebook (no list of cells)")
+        raise SubmissionError(f"{name} is not a Jupyter notebook (no list of cells)")
     if nb.get("nbformat") != 4:
         raise SubmissionError(
-            f"{path} is in notebook format {nb.get('nbformat')!r}; save it with JupyterLab (format 4)"
+            f"{name} is in notebook format {nb.get('nbformat')!r}; save it with JupyterLab (format 4)"
         )
     if not all(isinstance(cell, dict) for cell in nb["cells"]):
-        raise SubmissionError(f"{path} is not a Jupyter notebook (a cell is not an object)")
+        raise SubmissionError(f"{name} is not a Jupyter notebook (a cell is not an object)")
     return nb
 
 

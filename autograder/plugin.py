@@ -37,7 +37,8 @@ import pytest
 
 from autograder.labs import LabSpec
 from autograder.notebook import Submission
-from autograder.sandbox import Limits, Remote, RemoteError, Sandbox, SandboxFailure
+from autograder.remote import Remote, RemoteError, SandboxFailure
+from autograder.sandbox import Limits, Sandbox
 
 VISIBILITIES = ("visible", "hidden", "after_due_date", "after_published")
 MAX_OUTPUT_CHARS = 3000
@@ -60,7 +61,14 @@ class TestRecord:
 class Session:
     """One submission's sandbox across the tests of a pytest session."""
 
-    def __init__(self, submission: Submission | None, spec: LabSpec, limits: Limits, rejected: str | None, max_restarts: int):
+    def __init__(
+        self,
+        submission: Submission | None,
+        spec: LabSpec,
+        limits: Limits,
+        rejected: str | None,
+        max_restarts: int,
+    ):
         self.submission = submission
         self.spec = spec
         self.limits = limits
@@ -105,7 +113,9 @@ class Session:
             sandbox.call_timeout = self.call_timeout
         except (SandboxFailure, RemoteError) as e:
             tail = sandbox.output_tail(600).strip()
-            self.fatal = f"your notebook's code could not be loaded: {e}" + (f"\nits last output:\n{tail}" if tail else "")
+            self.fatal = f"your notebook's code could not be loaded: {e}" + (
+                f"\nits last output:\n{tail}" if tail else ""
+            )
             sandbox.close()
             raise GradingProblem(self.fatal) from None
         return sandbox
@@ -117,13 +127,18 @@ class Session:
         cell = spec.cell_of(name)
         if cell is not None:
             origin = report.get("origins", {}).get(name) or {}
-            cell_error = next((c.get("error") for c in report.get("cells", []) if c.get("id") == cell and c.get("error")), None)
+            cell_error = next(
+                (c.get("error") for c in report.get("cells", []) if c.get("id") == cell and c.get("error")),
+                None,
+            )
             error_text = ""
             if isinstance(cell_error, dict):
                 error_text = f"{cell_error.get('type')}: {cell_error.get('message')}"
             if origin.get("defined") is not True:
                 why = f" (running that cell raised {error_text})" if error_text else ""
-                raise GradingProblem(f"your notebook does not define `{name}`: it should come from the cell {cell!r}{why}")
+                raise GradingProblem(
+                    f"your notebook does not define `{name}`: it should come from the cell {cell!r}{why}"
+                )
             if origin.get("own") is not True:
                 raise GradingProblem(
                     f"`{name}` is not your own code (it comes from {origin.get('where')}). The grader grades the "
@@ -223,7 +238,9 @@ class GradingPlugin:
                 id=item.name,
                 name=doc[0].strip() if doc else item.name,
                 max_score=float(points.args[0]) if points else 1.0,
-                visibility=visibility.args[0] if visibility and visibility.args[0] in VISIBILITIES else "visible",
+                visibility=visibility.args[0]
+                if visibility and visibility.args[0] in VISIBILITIES
+                else "visible",
             )
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
@@ -247,7 +264,10 @@ class GradingPlugin:
                 if isinstance(exc, SandboxFailure):
                     self.session.note_failure(str(exc))
             elif report.skipped:
-                record.status, record.output = "failed", f"not run ({report.longrepr[-1] if isinstance(report.longrepr, tuple) else 'skipped'})"
+                record.status, record.output = (
+                    "failed",
+                    f"not run ({report.longrepr[-1] if isinstance(report.longrepr, tuple) else 'skipped'})",
+                )
         elif call.when == "teardown" and report.failed:
             record.status = "failed"
             record.output = (record.output + "\n" if record.output else "") + "the test's cleanup failed"

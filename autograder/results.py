@@ -129,7 +129,16 @@ def write_csv(results: list[SubmissionResult], path: Path) -> None:
         for r in results:
             scores = {t.id: t.score for t in r.tests}
             notes = " | ".join(m.splitlines()[0] for m in r.messages if m)
-            writer.writerow([r.submission, r.lab, *(_num(scores.get(i, 0.0)) for i in test_ids), _num(r.score), _num(r.max_score), notes])
+            writer.writerow(
+                [
+                    r.submission,
+                    r.lab,
+                    *(_num(scores.get(i, 0.0)) for i in test_ids),
+                    _num(r.score),
+                    _num(r.max_score),
+                    notes,
+                ]
+            )
 
 
 def _num(x: float) -> str:
@@ -142,7 +151,9 @@ def print_table(results: list[SubmissionResult], out: TextIO, details: bool | No
     width = max([len(r.submission) for r in results] + [10])
     print(f"{'submission':<{width}}  lab  {'score':>11}  notes", file=out)
     for r in results:
-        note = (r.messages[0].splitlines()[0] if r.messages else "") if not r.graded or r.internal_error else ""
+        note = (
+            (r.messages[0].splitlines()[0] if r.messages else "") if not r.graded or r.internal_error else ""
+        )
         lab = "?" if r.lab is None else str(r.lab)
         score = f"{_num(r.score)}/{_num(r.max_score)}"
         print(f"{r.submission:<{width}}  {lab:>3}  {score:>11}  {note[:100]}", file=out)

@@ -9,7 +9,8 @@ whose process dies, raises `SandboxFailure`; the process is then killed and the 
 
 Limits: address space (``memory_mb`` on top of what the interpreter and the preloaded modules map),
 CPU seconds, written file size, wall clock per call; writes outside the working directory are
-refused where the kernel has Landlock (`Sandbox.confined` tells).
+refused where the kernel has Landlock (`Sandbox.confined` tells). What crosses back is described
+in `autograder.remote`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from autograder import codec
-
+from autograder.remote import Remote, RemoteError, SandboxFailure
 
 DEFAULT_MEMORY_MB = 2048
 
@@ -47,64 +48,6 @@ class Limits:
     confine_writes: bool = True  # Landlock: no writes outside the working directory
 
 
-class SandboxFailure(Exception):
-    """The submission's process did not answer: it timed out, died, or sent something unreadable."""
-
-
-class RemoteError(Exception):
-    """The submission's code raised an exception; carries its type, message and traceback as text."""
-
-    def __init__(self, type_name: str, message: str, traceback: str = ""):
-        super().__init__(f"{type_name}: {message}" if message else type_name)
-        self.type_name = type_name
-        self.message = message
-        self.traceback = traceback
-
-
-class Remote:
-    """A handle to an object living in the sandbox; attribute access and calls are proxied.
-
-    It compares equal only to itself and has no truth value, length or iteration, so a test can
-    never mistake it for data.
-    """
-
-    __slots__ = ("_sandbox", "_tag", "_generation")
-
-    def __init__(self, sandbox: Sandbox, tag: dict):
-        object.__setattr__(self, "_sandbox", sandbox)
-        object.__setattr__(self, "_tag", {"$h": tag["$h"]})
-        object.__setattr__(self, "_generation", sandbox.generation)
-        self._tag["type"] = str(tag.get("type", "object"))[:100]
-        self._tag["callable"] = tag.get("callable") is True
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return self._sandbox.get(self, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError("objects from a submission are read-only here")
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._sandbox.call(self, args, kwargs)
-
-    def __bool__(self) -> bool:
-        raise TypeError(f"a {self.type_name} object from the submission has no truth value here")
-
-    def __eq__(self, other: object) -> bool:
-        return self is other
-
-    def __hash__(self) -> int:
-        return id(self)
-
-    @property
-    def type_name(self) -> str:
-        return self._tag["type"]
-
-    def __repr__(self) -> str:
-        return f"<{self.type_name} object from the submission>"
-
-
 @dataclass
 class Sandbox:
     """One sandboxed process running a submission's cells."""
@@ -115,7 +58,8 @@ class Sandbox:
     blocked: dict[str, str] = field(default_factory=dict)  # module -> why it is blocked
     preload: tuple[str, ...] = ()
     generation: int = 0
-    confined: bool = False
+    confined: bool = False  # writes outside the working directory are refused (Landlock)
+    signals_confined: bool = False  # signals to processes outside the sandbox are refused (Landlock ABI 6)
     load_report: dict | None = None
     _proc: subprocess.Popen | None = None
     _dir: Path | None = None
@@ -160,7 +104,15 @@ class Sandbox:
         log = open(self._dir / "output.log", "wb")  # noqa: SIM115 - the child writes to it
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-I", "-m", "autograder._worker", str(to_child_r), str(from_child_w), json.dumps(config)],
+                [
+                    sys.executable,
+                    "-I",
+                    "-m",
+                    "autograder._worker",
+                    str(to_child_r),
+                    str(from_child_w),
+                    json.dumps(config),
+                ],
                 cwd=work,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -175,8 +127,12 @@ class Sandbox:
             os.close(from_child_w)
         self._rfd, self._wfd = from_child_r, to_child_w
         hello = self._receive(self.limits.load_timeout_s, "starting the sandbox")
-        self.confined = bool(isinstance(hello, dict) and hello.get("confined") is True)
-        report = self._request({"op": "load", "cells": self.cells, "graded": self.graded}, self.limits.load_timeout_s)
+        confined = hello.get("confined") if isinstance(hello, dict) else None
+        self.confined = isinstance(confined, dict) and confined.get("writes") is True
+        self.signals_confined = isinstance(confined, dict) and confined.get("signals") is True
+        report = self._request(
+            {"op": "load", "cells": self.cells, "graded": self.graded}, self.limits.load_timeout_s
+        )
         if type(report) is not dict:
             raise SandboxFailure("the sandbox sent a malformed load report")
         self.load_report = report
@@ -278,17 +234,25 @@ class Sandbox:
             error = reply.get("error")
             if type(error) is not dict:
                 raise codec.CodecError("malformed error reply")
-            raise RemoteError(str(error.get("type", "Error"))[:200], str(error.get("message", "")), str(error.get("traceback", "")))
+            raise RemoteError(
+                str(error.get("type", "Error"))[:200],
+                str(error.get("message", "")),
+                str(error.get("traceback", "")),
+            )
         except TimeoutError:
             self._fail()
             raise SandboxFailure(f"no answer within {timeout:g} s while {doing} (time limit)") from None
         except EOFError:
             self._settle()
             self._fail()
-            raise SandboxFailure(f"the submission's process died while {doing} ({self._exit_reason()})") from None
+            raise SandboxFailure(
+                f"the submission's process died while {doing} ({self._exit_reason()})"
+            ) from None
         except codec.CodecError as e:
             self._fail()
-            raise SandboxFailure(f"the submission's process sent an unreadable reply while {doing}: {e}") from None
+            raise SandboxFailure(
+                f"the submission's process sent an unreadable reply while {doing}: {e}"
+            ) from None
 
     def _read(self, n: int, deadline: float) -> bytes:
         chunks, left = [], n

@@ -53,7 +53,9 @@ def output_problems(path: Path) -> list[str]:
             continue
         where = f"{_rel(path)} cell {i} ({cell.get('id', '?')})"
         if cell.get("outputs"):
-            problems.append(f"{where} has outputs: clear them (Edit > Clear Outputs of All Cells) before committing")
+            problems.append(
+                f"{where} has outputs: clear them (Edit > Clear Outputs of All Cells) before committing"
+            )
         if cell.get("execution_count") is not None:
             problems.append(f"{where} has an execution count: clear outputs before committing")
     return problems

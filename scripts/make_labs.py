@@ -31,7 +31,13 @@ GENERATED_NOTE = (
 
 def generate_lab(source: Path) -> str:
     """The text of the learner notebook generated from the solution notebook at ``source``."""
-    from nbgrader.preprocessors import ClearHiddenTests, ClearOutput, ClearSolutions, ComputeChecksums, LockCells
+    from nbgrader.preprocessors import (
+        ClearHiddenTests,
+        ClearOutput,
+        ClearSolutions,
+        ComputeChecksums,
+        LockCells,
+    )
 
     nb = nbformat.read(str(source), as_version=4)
     resources: dict = {}

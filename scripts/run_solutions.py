@@ -34,7 +34,9 @@ def ensure_kernel() -> None:
     own = Path(sys.prefix).resolve()
     if KERNEL in specs and Path(specs[KERNEL]).resolve().is_relative_to(own):
         return
-    subprocess.run([sys.executable, "-m", "ipykernel", "install", "--sys-prefix", "--name", KERNEL], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "ipykernel", "install", "--sys-prefix", "--name", KERNEL], check=True
+    )
 
 
 def run_notebook(path: Path, timeout: float) -> float:
@@ -49,7 +51,13 @@ def run_notebook(path: Path, timeout: float) -> float:
         resources={"metadata": {"path": str(path.parent)}},
     )
     start = time.perf_counter()
-    client.execute(env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "MPLBACKEND": "module://matplotlib_inline.backend_inline"})
+    client.execute(
+        env={
+            **os.environ,
+            "CUDA_VISIBLE_DEVICES": "",
+            "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+        }
+    )
     elapsed = time.perf_counter() - start
     OUT.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, str(OUT / path.name))
@@ -59,7 +67,9 @@ def run_notebook(path: Path, timeout: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("notebooks", nargs="*", type=Path, help="default: solutions/lab*.ipynb")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds each notebook may take (default 120)")
+    parser.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds each notebook may take (default 120)"
+    )
     args = parser.parse_args(argv)
     notebooks = args.notebooks or sorted((ROOT / "solutions").glob("lab*.ipynb"))
     if not notebooks:
@@ -81,7 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"ok        {path.name}: {elapsed:.1f} s (executed copy in {OUT.relative_to(ROOT)})")
     if failed:
-        print(f"{len(failed)} of {len(notebooks)} solution notebooks failed: {', '.join(failed)}", file=sys.stderr)
+        print(
+            f"{len(failed)} of {len(notebooks)} solution notebooks failed: {', '.join(failed)}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -18,12 +18,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from autograder import codec
 from autograder.grade import DEFAULT_TESTS_DIR, GradeOptions, grade
 from autograder.notebook import SubmissionError, read_submission
+from autograder.remote import Remote, RemoteError, SandboxFailure
 from autograder.results import SubmissionResult, write_csv, write_gradescope, write_json
-from autograder.sandbox import Limits, Remote, RemoteError, Sandbox, SandboxFailure
+from autograder.sandbox import Limits, Sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "lab01_tokenizer.ipynb"
@@ -36,14 +39,18 @@ LIMITS = Limits(call_timeout_s=3, load_timeout_s=6, cpu_s=120, memory_mb=512, no
 
 
 def _cell(nb: dict, grade_id: str) -> dict:
-    return next(c for c in nb["cells"] if c.get("metadata", {}).get("nbgrader", {}).get("grade_id") == grade_id)
+    return next(
+        c for c in nb["cells"] if c.get("metadata", {}).get("nbgrader", {}).get("grade_id") == grade_id
+    )
 
 
 def _edit(nb: dict, grade_id: str, change) -> None:
     cell = _cell(nb, grade_id)
     old = "".join(cell["source"])
     new = change(old)
-    assert new != old, f"the fixture edit of {grade_id!r} changed nothing: the notebook changed, update the test"
+    assert new != old, (
+        f"the fixture edit of {grade_id!r} changed nothing: the notebook changed, update the test"
+    )
     cell["source"] = new
 
 
@@ -62,7 +69,12 @@ def _stubs(nb: dict, replacement: str) -> None:
 
 PLANTED_BUGS = {
     # name: (cell, old, new, the hidden test that must catch it)
-    "merge_off_by_one": ("merge", "if i + 1 < n and", "if i + 2 < n and", "test_merge_replaces_every_occurrence_left_to_right"),
+    "merge_off_by_one": (
+        "merge",
+        "if i + 1 < n and",
+        "if i + 2 < n and",
+        "test_merge_replaces_every_occurrence_left_to_right",
+    ),
     "wrong_tie_break": (
         "train-merges",
         "count == counts[best] and pair < best",
@@ -163,6 +175,11 @@ def _tampered(tests_copy: Path) -> dict[str, callable]:
     def sigkill_in_call(nb):
         _stubs(nb, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
 
+    def kill_grader(nb):
+        # Refused where Landlock scopes signals; elsewhere it kills a grading worker, and the grader
+        # re-grades the other notebooks that worker held.
+        _prepend(nb, "pair-counts", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)")
+
     def loop_in_call(nb):
         _stubs(nb, "while True: pass")
 
@@ -214,8 +231,12 @@ for _target in ({str(hidden)!r}, {str(tests_copy / "conftest.py")!r}):
         _cell(nb, "tokenizer")["source"] = "from nanolab.tokenizer import Tokenizer\n"
 
     def subclass_reference(nb):
-        _cell(nb, "tokenizer")["source"] = "import nanolab.tokenizer\n\n\nclass Tokenizer(nanolab.tokenizer.Tokenizer):\n    pass\n"
-        _cell(nb, "merge")["source"] = "import nanolab.bpe as _bpe\n\n\ndef merge(ids, pair, new_id):\n    return _bpe.merge(ids, pair, new_id)\n"
+        _cell(nb, "tokenizer")["source"] = (
+            "import nanolab.tokenizer\n\n\nclass Tokenizer(nanolab.tokenizer.Tokenizer):\n    pass\n"
+        )
+        _cell(nb, "merge")["source"] = (
+            "import nanolab.bpe as _bpe\n\n\ndef merge(ids, pair, new_id):\n    return _bpe.merge(ids, pair, new_id)\n"
+        )
 
     def reference_by_path(nb):
         # Loads the reference's files directly, around the import blocker; the grader still sees
@@ -322,14 +343,18 @@ def test_tampering_earns_no_more_than_the_blank_lab(batch, name):
     result = batch["results"][f"tamper_{name}"]
     blank = batch["results"]["blank"]
     assert result.score <= blank.score
-    assert [t.id for t in result.tests] == [t.id for t in blank.tests], "every hidden test must still be reported"
+    assert [t.id for t in result.tests] == [t.id for t in blank.tests], (
+        "every hidden test must still be reported"
+    )
     assert all(t.status == "failed" and t.output for t in result.tests)
 
 
 def test_reexporting_the_reference_is_named_in_the_feedback(batch):
     for name in ("tamper_reexport_reference", "tamper_subclass_reference", "tamper_reference_by_path"):
         outputs = " ".join(t.output for t in batch["results"][name].tests)
-        assert "cannot be imported while this lab is graded" in outputs or "is not your own code" in outputs, name
+        assert (
+            "cannot be imported while this lab is graded" in outputs or "is not your own code" in outputs
+        ), name
 
 
 def test_timeouts_and_crashes_are_named_in_the_feedback(batch):
@@ -407,13 +432,31 @@ def test_without_landlock_overwritten_tests_are_restored_and_void_the_grade(tmp_
     shutil.copytree(DEFAULT_TESTS_DIR, tests_copy, ignore=shutil.ignore_patterns("__pycache__"))
     original = (tests_copy / "test_lab01.py").read_bytes()
     nb = json.loads(SOLUTION.read_text())
-    _prepend(nb, "pair-counts", f"open({str(tests_copy / 'test_lab01.py')!r}, 'w').write('def test_x():\\n    pass\\n')")
+    _prepend(
+        nb,
+        "pair-counts",
+        f"open({str(tests_copy / 'test_lab01.py')!r}, 'w').write('def test_x():\\n    pass\\n')",
+    )
     path = tmp_path / "overwrite.ipynb"
     path.write_text(json.dumps(nb))
     limits = Limits(**{**LIMITS.__dict__, "confine_writes": False})
     [result] = grade([path], GradeOptions(tests_dir=tests_copy, limits=limits), progress=False)
     assert (tests_copy / "test_lab01.py").read_bytes() == original
     assert result.score == 0 and "restored" in " ".join(result.messages)
+
+
+def test_a_notebook_that_kills_its_grading_worker_spoils_only_its_own_result(tmp_path):
+    """Without Landlock nothing stops a submission from killing the worker that grades it; the
+    notebooks that worker's pool held are graded again, each on its own."""
+    killer = json.loads(LAB.read_text())
+    _prepend(killer, "pair-counts", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)")
+    paths = [tmp_path / "killer.ipynb", tmp_path / "solution.ipynb"]
+    paths[0].write_text(json.dumps(killer))
+    shutil.copy(SOLUTION, paths[1])
+    limits = Limits(**{**LIMITS.__dict__, "confine_writes": False})
+    killed, solution = grade(paths, GradeOptions(limits=limits), jobs=2, progress=False)
+    assert killed.score == 0 and killed.internal_error and "died" in killed.internal_error
+    assert solution.score == solution.max_score > 0
 
 
 # ---------------------------------------------------------------------------------------------- notebook reading
@@ -463,6 +506,36 @@ def test_codec_round_trips_plain_data(value):
     assert back == value and type(back) is (set if isinstance(value, frozenset) else type(value))
 
 
+def _same(a, b) -> bool:
+    """Equal, and of exactly the same types all the way down."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(v, b[k]) for k, v in a.items())
+    return a == b
+
+
+_keys = st.none() | st.booleans() | st.integers() | st.text(max_size=5) | st.binary(max_size=5)
+_plain = st.recursive(
+    _keys | st.floats(allow_nan=False),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.tuples(inner, inner)
+        | st.dictionaries(_keys | st.tuples(_keys, _keys), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_plain)
+def test_codec_round_trips_nested_plain_data_exactly(value):
+    """decode(encode(v)) is v again, with the same types at every level (a tuple stays a tuple)."""
+    assert _same(codec.decode(codec.loads(codec.dumps({"v": codec.encode(value)})[8:])["v"]), value)
+
+
 def test_codec_round_trips_arrays_and_refuses_object_arrays():
     np = pytest.importorskip("numpy")
     array = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -506,7 +579,9 @@ def spin():
 def write_outside():
     open(os.path.expanduser("~/../escaped.txt"), "w").write("x")
 """
-    with Sandbox([{"id": "c", "source": source}], {"c": ["Box"]}, Limits(call_timeout_s=2, load_timeout_s=10)) as sb:
+    with Sandbox(
+        [{"id": "c", "source": source}], {"c": ["Box"]}, Limits(call_timeout_s=2, load_timeout_s=10)
+    ) as sb:
         report = sb.start()
         assert report["cells"] == [{"id": "c", "error": None}]
         box = sb.get(None, "Box")(3)
@@ -547,7 +622,9 @@ def test_cli_grades_and_writes_every_format(tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    assert re.search(r"lab01_tokenizer.ipynb +1 +0/\d+", out.stdout) and "not a Jupyter notebook" in out.stdout
+    assert (
+        re.search(r"lab01_tokenizer.ipynb +1 +0/\d+", out.stdout) and "not a Jupyter notebook" in out.stdout
+    )
     assert len(json.loads((tmp_path / "g.json").read_text())) == 2
     assert len(list((tmp_path / "gs").glob("*.json"))) == 2
     assert len((tmp_path / "g.csv").read_text().splitlines()) == 3

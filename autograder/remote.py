@@ -1,0 +1,71 @@
+"""What comes back from a submission's process: plain data, `Remote` handles, or a failure.
+
+A hidden test sees three outcomes of a call into the learner's code: plain data (decoded by
+`autograder.codec`), a `Remote` handle for an object that stays in the sandbox, or an exception:
+`RemoteError` when the learner's code raised, `SandboxFailure` when its process did not answer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from autograder.sandbox import Sandbox
+
+
+class SandboxFailure(Exception):
+    """The submission's process did not answer: it timed out, died, or sent something unreadable."""
+
+
+class RemoteError(Exception):
+    """The submission's code raised an exception; carries its type, message and traceback as text."""
+
+    def __init__(self, type_name: str, message: str, traceback: str = ""):
+        super().__init__(f"{type_name}: {message}" if message else type_name)
+        self.type_name = type_name
+        self.message = message
+        self.traceback = traceback
+
+
+class Remote:
+    """A handle to an object living in the sandbox; attribute access and calls are proxied.
+
+    It compares equal only to itself and has no truth value, length or iteration, so a test can
+    never mistake it for data.
+    """
+
+    __slots__ = ("_sandbox", "_tag", "_generation")
+
+    def __init__(self, sandbox: Sandbox, tag: dict):
+        object.__setattr__(self, "_sandbox", sandbox)
+        object.__setattr__(self, "_tag", {"$h": tag["$h"]})
+        object.__setattr__(self, "_generation", sandbox.generation)
+        self._tag["type"] = str(tag.get("type", "object"))[:100]
+        self._tag["callable"] = tag.get("callable") is True
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self._sandbox.get(self, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("objects from a submission are read-only here")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._sandbox.call(self, args, kwargs)
+
+    def __bool__(self) -> bool:
+        raise TypeError(f"a {self.type_name} object from the submission has no truth value here")
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    @property
+    def type_name(self) -> str:
+        return self._tag["type"]
+
+    def __repr__(self) -> str:
+        return f"<{self.type_name} object from the submission>"
