@@ -9,7 +9,7 @@ STAMP := $(VENV)/.nanolab-installed
 LINT_DIRS := $(wildcard nanolab tests bench scripts autograder)
 BUILD_INPUTS := pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/CMakeLists.txt)
 
-.PHONY: setup lab test lint bench labs solutions clean
+.PHONY: setup lab test lint bench labs solutions check-notebooks clean
 
 $(STAMP): $(BUILD_INPUTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ labs: setup
 ## solutions: run every solution notebook top to bottom on a Jupyter kernel (fails on any error)
 solutions: setup
 	$(PY) scripts/run_solutions.py
+
+## check-notebooks: fail if labs/ is out of date with solutions/ or a notebook in git carries outputs
+check-notebooks: setup
+	$(PY) scripts/check_notebooks.py
 
 ## bench: run every benchmark in bench/ (prints ratios against baselines measured in the same run)
 bench: setup
