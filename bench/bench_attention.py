@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from nanolab.attention import HAS_CPP_KERNEL, paged_decode_attention, paged_prefill_attention
+from nanolab.paged_attention import AUTO_CPP_MAX_PREFILL
 
 
 class Shape(NamedTuple):
@@ -37,15 +38,24 @@ SHAPES = [Shape("small (8/4 heads, d=64)", 8, 4, 64), Shape("large (32/8 heads, 
 BLOCK_SIZE = 16
 
 
-def best_ms(fn: Callable[[], object], min_time: float, min_runs: int = 3) -> float:
-    fn()  # warm up
-    best, spent, runs = float("inf"), 0.0, 0
-    while runs < min_runs or spent < min_time:
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        best, spent, runs = min(best, dt), spent + dt, runs + 1
-    return best * 1e3
+def race(fns: dict[str, Callable[[], object]], min_time: float, min_rounds: int = 3) -> dict[str, float]:
+    """Best time in ms of each function.
+
+    The functions take turns, round after round, so a busy spell on the machine hits all of them
+    alike rather than whichever one happened to be running.
+    """
+    for fn in fns.values():
+        fn()  # warm up
+    best = dict.fromkeys(fns, float("inf"))
+    spent, rounds = 0.0, 0
+    while rounds < min_rounds or spent < min_time * len(fns):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            best[name], spent = min(best[name], dt), spent + dt
+        rounds += 1
+    return {name: t * 1e3 for name, t in best.items()}
 
 
 def paged_copy(k: torch.Tensor, v: torch.Tensor, gen: torch.Generator):
@@ -77,22 +87,16 @@ def decode_row(shape: Shape, B: int, ctx: int, min_time: float) -> dict[str, flo
     def contiguous():
         return F.scaled_dot_product_attention(q_grouped, k, v).view(B, nh, hs)
 
-    row = {"contiguous": best_ms(contiguous, min_time)}
-    row["torch"] = best_ms(
-        lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, backend="torch"), min_time
-    )
-    want = contiguous()
-    assert torch.allclose(
-        paged_decode_attention(q, k_cache, v_cache, tables, lens, backend="torch"), want, atol=1e-4
-    )
+    def paged(backend: str):
+        return lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, backend=backend)
+
+    fns = {"contiguous": contiguous, "torch": paged("torch")}
     if HAS_CPP_KERNEL:
-        row["cpp"] = best_ms(
-            lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, backend="cpp"), min_time
-        )
-        assert torch.allclose(
-            paged_decode_attention(q, k_cache, v_cache, tables, lens, backend="cpp"), want, atol=1e-4
-        )
-    return row
+        fns["cpp"] = paged("cpp")
+    want = contiguous()
+    for name in fns:
+        assert torch.allclose(fns[name](), want, atol=1e-4), f"{name} disagrees with the contiguous SDPA"
+    return race(fns, min_time)
 
 
 def prefill_row(shape: Shape, q_len: int, ctx: int, min_time: float) -> dict[str, float]:
@@ -102,14 +106,11 @@ def prefill_row(shape: Shape, q_len: int, ctx: int, min_time: float) -> dict[str
     k = torch.randn(1, nkv, ctx, hs, generator=gen)
     v = torch.randn(1, nkv, ctx, hs, generator=gen)
     k_cache, v_cache, tables = paged_copy(k, v, gen)
-    row = {}
-    for backend in ("torch", "cpp") if HAS_CPP_KERNEL else ("torch",):
 
-        def run(backend=backend):
-            return paged_prefill_attention(q, k_cache, v_cache, tables[0], ctx, backend=backend)
+    def paged(backend: str):
+        return lambda: paged_prefill_attention(q, k_cache, v_cache, tables[0], ctx, backend=backend)
 
-        row[backend] = best_ms(run, min_time)
-    return row
+    return race({b: paged(b) for b in (("torch", "cpp") if HAS_CPP_KERNEL else ("torch",))}, min_time)
 
 
 def main() -> None:
@@ -126,7 +127,7 @@ def main() -> None:
     rows = [
         decode_row(s, B, ctx, args.min_time) for s, B, ctx in tqdm(decode_jobs, desc="decode", leave=False)
     ]
-    prefill_jobs = [(SHAPES[0], n, 1024) for n in (1, 16, 64, 256, 1024)]
+    prefill_jobs = [(SHAPES[0], n, 1024) for n in (1, 4, 16, 64, 256)]
     prows = [prefill_row(*job, args.min_time) for job in tqdm(prefill_jobs, desc="prefill", leave=False)]
 
     print("\ndecode: ms per call (best); x = time / contiguous SDPA (lower is better)")
@@ -141,6 +142,9 @@ def main() -> None:
         )
 
     print(f"\nprefill, {SHAPES[0].name}, ctx 1024: ms per call; x = C++ / torch")
+    print(
+        f"  (backend='auto' sends chunks of up to {AUTO_CPP_MAX_PREFILL} tokens to C++, longer ones to torch)"
+    )
     for (_, q_len, _), row in zip(prefill_jobs, prows):
         ratio = f"  ({row['cpp'] / row['torch']:5.2f}x)" if "cpp" in row else ""
         print(

@@ -7,6 +7,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -23,7 +24,7 @@ namespace nanolab {
 namespace {
 
 constexpr int64_t kRowsPerItem = 16;     // query rows of one sequence handled by one work item
-constexpr int64_t kSerialWork = 1 << 16;  // below this many multiply-adds, threads cost more than they save
+constexpr int64_t kSerialWork = 1500000;  // below this many multiply-adds, starting threads costs more than it saves
 
 // One unit of work: query rows [row_begin, row_end) of one sequence, for the query heads that read
 // kv heads [head_begin, head_end). Rows are relative to the sequence's first query row.
@@ -52,18 +53,19 @@ int64_t query_len(const PagedAttentionArgs& a, int64_t s) {
   return a.query_start_loc ? a.query_start_loc[s + 1] - a.query_start_loc[s] : 1;
 }
 
-// Eight independent accumulators (one vector register), summed as a tree at the end, so the compiler
-// vectorises without having to reorder a float sum.
+inline float reduce8(const float* acc) {
+  return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+}
+
+// A dot product written so the compiler can vectorise it without reordering any one float sum:
+// eight accumulators (one vector register), added up as a fixed tree at the end.
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  constexpr int kLanes = 8;
-  float acc[kLanes] = {};
+  float acc[8] = {};
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) acc[j] += a[i + j] * b[i + j];
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
   }
-  for (int j = 0; j < 4; ++j) acc[j] += acc[j + 4];
-  for (int j = 0; j < 2; ++j) acc[j] += acc[j + 2];
-  float sum = acc[0] + acc[1];
+  float sum = reduce8(acc);
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
 }
@@ -85,8 +87,8 @@ inline void for_each_key(const PagedAttentionArgs& a, const float* cache, const 
     const int64_t n = std::min(B, n_keys - t0);
     for (int64_t i = 0; i < n; ++i) {
 #if defined(__GNUC__) || defined(__clang__)
-      if (next) {
-        for (int64_t x = 0; x < n_floats; x += 16) __builtin_prefetch(next + i * row_stride + x);  // 64-byte lines
+      if (next) {  // one prefetch per 64-byte cache line of the same row in the next block
+        for (int64_t x = 0; x < n_floats; x += 16) __builtin_prefetch(next + i * row_stride + x);
       }
 #endif
       fn(t0 + i, block + i * row_stride);
@@ -112,8 +114,9 @@ void run_item(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
   s.acc.assign(n_queries * D, 0.0f);
   s.inv_sum.resize(n_queries);
   for (int64_t r = 0; r < n_rows; ++r) {
-    const float* src = a.q + ((q0 + r) * a.n_heads + it.head_begin * G) * D;
-    for (int64_t x = 0; x < QH * D; ++x) s.q[r * QH * D + x] = src[x] * a.scale;
+    const float* __restrict src = a.q + ((q0 + r) * a.n_heads + it.head_begin * G) * D;
+    float* __restrict dst = &s.q[r * QH * D];
+    for (int64_t x = 0; x < QH * D; ++x) dst[x] = src[x] * a.scale;
   }
   // Causal: key t is seen by the rows at positions >= t, i.e. by queries j >= first_query(t).
   auto first_query = [&](int64_t t) { return std::max<int64_t>(0, t - first_pos) * QH; };
@@ -146,9 +149,10 @@ void run_item(const PagedAttentionArgs& a, const Item& it, Scratch& s) {
       for (int64_t d = 0; d < D; ++d) acc[d] += p * v[d];
     }
   });
-  for (int64_t r = 0; r < n_rows; ++r) {
-    float* dst = a.out + ((q0 + r) * a.n_heads + it.head_begin * G) * D;
-    for (int64_t x = 0; x < QH * D; ++x) dst[x] = s.acc[r * QH * D + x] * s.inv_sum[r * QH + x / D];
+  for (int64_t j = 0; j < n_queries; ++j) {
+    float* __restrict dst = a.out + ((q0 + j / QH) * a.n_heads + it.head_begin * G + j % QH) * D;
+    const float* __restrict acc = &s.acc[j * D];
+    for (int64_t d = 0; d < D; ++d) dst[d] = acc[d] * s.inv_sum[j];
   }
 }
 
@@ -167,7 +171,9 @@ void check_paged_attention_args(const PagedAttentionArgs& a) {
                                   std::to_string(a.num_q_tokens) + ")");
     }
   } else if (a.num_q_tokens != a.num_seqs) {
-    throw std::invalid_argument("decode needs one query token per sequence");
+    throw std::invalid_argument("decode takes one query token per sequence: q has " +
+                                std::to_string(a.num_q_tokens) + " tokens for " + std::to_string(a.num_seqs) +
+                                " sequences");
   }
   const int64_t capacity = a.max_blocks_per_seq * a.block_size;
   for (int64_t s = 0; s < a.num_seqs; ++s) {
@@ -235,7 +241,13 @@ void paged_attention(const PagedAttentionArgs& a, int num_threads) {
   const int64_t n_threads =
       total < kSerialWork ? 1 : std::max<int64_t>(1, std::min<int64_t>(num_threads, items.size()));
   std::vector<std::thread> threads;
-  for (int64_t i = 1; i < n_threads; ++i) threads.emplace_back(worker);
+  for (int64_t i = 1; i < n_threads; ++i) {
+    try {
+      threads.emplace_back(worker);
+    } catch (const std::system_error&) {
+      break;  // the system refused another thread: the ones running share the work
+    }
+  }
   worker();  // the calling thread works too
   for (auto& t : threads) t.join();
   if (error) std::rethrow_exception(error);

@@ -11,10 +11,12 @@
 //   q, out            (num_q_tokens, n_heads, head_dim) float32
 // GQA: query head h reads kv head h / (n_heads / n_kv_heads).
 //
-// The softmax is computed in two passes per query (scores and their max first, then exp and sum),
-// so it is stable for any score magnitude. Work is split over (sequence, kv head, query tile) items
-// that std::threads take from a shared counter; one item reads each K/V row once for all the query
-// heads that share it.
+// The softmax is computed in two passes per query (all scores and their max first, then exp, sum
+// and the weighted sum of V), so it is stable for any score magnitude. Work is split into items of
+// (sequence, up to 16 query rows, a range of kv heads) that std::threads take from a shared counter
+// (no OpenMP: torch bundles its own runtime). An item reads each K/V row of its heads once for all
+// its queries, so GQA query heads that share a kv head share the reads. Every output row is computed
+// by one item in a fixed order, so results do not depend on the batch or the number of threads.
 #pragma once
 
 #include <cstdint>

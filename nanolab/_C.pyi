@@ -2,6 +2,9 @@
 
 from collections.abc import Sequence
 
+import numpy as np
+from numpy.typing import NDArray
+
 class BlockAllocator:
     """C++ twin of `nanolab.block_allocator.PyBlockAllocator`; see `BlockAllocatorProtocol`."""
 
@@ -19,3 +22,22 @@ class BlockAllocator:
     def num_total(self) -> int: ...
     def free_list(self) -> list[int]:
         """The free ids in the order `allocate` hands them out."""
+
+def paged_attention(
+    q: NDArray[np.float32],
+    k_cache: NDArray[np.float32],
+    v_cache: NDArray[np.float32],
+    block_tables: NDArray[np.int32],
+    context_lens: NDArray[np.int32],
+    query_start_loc: NDArray[np.int32] | None,
+    scale: float,
+    num_threads: int,
+) -> NDArray[np.float32]:
+    """Paged attention over nanolab's KV layout, reading K/V in place; returns a new (T, n_heads, head_dim).
+
+    q (T, n_heads, head_dim); k_cache, v_cache (num_blocks, block_size, n_kv_heads, head_dim);
+    block_tables (B, max_blocks); context_lens (B,); query_start_loc (B + 1,) or None for decode
+    (T == B, one query per sequence). All C-contiguous; a wrong dtype or layout is silently copied,
+    so call it through `nanolab.attention`, which checks. Raises ValueError for bad shapes or indices.
+    Runs on up to num_threads std::threads with the GIL released.
+    """

@@ -23,7 +23,7 @@ Backend = Literal["auto", "cpp", "torch"]
 HAS_CPP_KERNEL = _ext.HAS_C and hasattr(_ext._C, "paged_attention")
 """True when nanolab._C is in use and has the paged-attention kernel."""
 
-AUTO_CPP_MAX_PREFILL = 64
+AUTO_CPP_MAX_PREFILL = 4
 """Longest query chunk that "auto" sends to the C++ kernel (see bench/bench_attention.py)."""
 
 
@@ -124,8 +124,9 @@ def resolve(
     """The backend that runs this call. "auto" takes the C++ kernel when it applies.
 
     The kernel applies to CPU float32 tensors outside autograd. ``prefill_len`` (the longest query
-    chunk) is there so "auto" can route long prefills to torch: their attention is a matrix product,
-    which PyTorch's BLAS does faster than the kernel's per-row loops.
+    chunk) lets "auto" send prefill chunks longer than `AUTO_CPP_MAX_PREFILL` to torch: many query
+    rows over the same keys make a matrix product, which PyTorch's fused kernel does faster than the
+    C++ kernel's row-by-row loops. Decode, one row per sequence, is where the C++ kernel wins.
     """
     if backend == "torch":
         return "torch"
@@ -197,41 +198,18 @@ def torch_prefill(
     v = gather_kv(v_cache, block_table, context_len)
     first = context_len - q_len  # position of the first query token
     mask = None if first == 0 else torch.arange(context_len) <= torch.arange(first, context_len)[:, None]
+    # 4-D inputs: PyTorch's fused CPU kernel takes (batch, heads, len, dim); 3-D ones fall back to
+    # a much slower path when enable_gqa is set.
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.transpose(0, 1),
-        v.transpose(0, 1),
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
         attn_mask=mask,
         is_causal=first == 0,
         scale=scale,
         enable_gqa=n_heads != k.shape[1],
-    )  # (nh, q_len, hs)
-    return out.transpose(0, 1)
-
-
-def torch_varlen(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """A mixed batch: the one-token sequences through one `torch_decode`, each longer chunk alone."""
-    out = torch.empty_like(q)
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    decodes = (q_lens == 1).nonzero().flatten()
-    if decodes.numel():
-        rows = query_start_loc[decodes].long()
-        out[rows] = torch_decode(
-            q[rows], k_cache, v_cache, block_tables[decodes], context_lens[decodes], scale
-        )
-    starts, lens = query_start_loc.tolist(), context_lens.tolist()
-    for s in (q_lens > 1).nonzero().flatten().tolist():
-        a, b = starts[s], starts[s + 1]
-        out[a:b] = torch_prefill(q[a:b], k_cache, v_cache, block_tables[s], lens[s], scale)
-    return out
+    )  # (1, nh, q_len, hs)
+    return out[0].transpose(0, 1)
 
 
 def cpp_attention(

@@ -114,15 +114,16 @@ class PagedKVCache:
         for first, last, table, context_len, fresh in self._prefills:
             if fresh:
                 # Nothing cached before this chunk: plain causal attention over the chunk itself.
+                # 4-D inputs: with 3-D ones and enable_gqa, PyTorch's CPU SDPA takes a much slower path.
                 y = F.scaled_dot_product_attention(
-                    q[first:last].transpose(0, 1),
-                    k[first:last].transpose(0, 1),
-                    v[first:last].transpose(0, 1),
+                    q[first:last].transpose(0, 1)[None],
+                    k[first:last].transpose(0, 1)[None],
+                    v[first:last].transpose(0, 1)[None],
                     is_causal=True,
                     scale=self.scale,
                     enable_gqa=gqa,
-                )  # (nh, t, hs)
-                out[first:last] = y.transpose(0, 1)
+                )  # (1, nh, t, hs)
+                out[first:last] = y[0].transpose(0, 1)
             else:
                 out[first:last] = paged_prefill_attention(
                     q[first:last], k_cache, v_cache, table, context_len, self.scale

@@ -32,8 +32,11 @@ from nanolab.attention import (
 )
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
+WHY_NO_CPP = (
+    _ext.why_pure or "nanolab._C was built without paged_attention; reinstall with `pip install -e .`"
+)
 needs_cpp = pytest.mark.skipif(
-    not HAS_CPP_KERNEL, reason=f"nanolab._C has no paged_attention ({_ext.why_pure})"
+    not HAS_CPP_KERNEL, reason=f"the C++ paged-attention kernel is unavailable: {WHY_NO_CPP}"
 )
 BACKENDS = ["torch", pytest.param("cpp", marks=needs_cpp)]
 # (n_kv_heads, query heads per kv head): plain multi-head, GQA 2 and 4, and MQA.
@@ -211,10 +214,12 @@ def test_cpp_output_for_a_sequence_is_bitwise_independent_of_its_batch_and_threa
     """A sequence decoded alone or beside others, on 1 or 4 threads, gets the very same bits."""
     from nanolab._ext import _C
 
-    p = build([5, 300, 64, 129], block_size=16, n_kv=2, head_dim=32, seed=7)
-    q, _ = decode_case(p, n_heads=8, seed=7)
+    # Enough work that the kernel starts threads (it runs small calls on the calling thread).
+    lens = [5, 900, 640, 1290, 77, 333]
+    p = build(lens, block_size=16, n_kv=2, head_dim=64, seed=7)
+    q = torch.randn(len(lens), 8, 64, generator=torch.Generator().manual_seed(7))
     batch = paged_decode_attention(q, p.k_cache, p.v_cache, p.block_tables, p.context_lens, backend="cpp")
-    for b in range(4):
+    for b in range(len(lens)):
         alone = paged_decode_attention(
             q[b : b + 1],
             p.k_cache,
@@ -225,7 +230,7 @@ def test_cpp_output_for_a_sequence_is_bitwise_independent_of_its_batch_and_threa
         )
         assert torch.equal(alone, batch[b : b + 1])
     arrays = (q.numpy(), p.k_cache.numpy(), p.v_cache.numpy(), p.block_tables.numpy(), p.context_lens.numpy())
-    one, four = (_C.paged_attention(*arrays, None, 32**-0.5, n) for n in (1, 4))
+    one, four = (_C.paged_attention(*arrays, None, 64**-0.5, n) for n in (1, 4))
     assert (one == four).all() and torch.equal(torch.from_numpy(one), batch)
 
 
@@ -253,9 +258,10 @@ def test_prefill_with_cached_prefix_equals_dense_over_the_whole_sequence(
     torch.testing.assert_close(got, reference(q, p.ks[0], p.vs[0]), **TOL)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, "auto"])
 @pytest.mark.parametrize(("n_kv", "group"), GQA)
 def test_mixed_batch_of_decodes_and_chunks_matches_dense(backend, n_kv, group):
+    """One call for a whole batch; "auto" splits it (C++ decodes, long chunks through torch)."""
     lens, q_lens = [1, 40, 33, 100, 16, 7], [1, 1, 33, 20, 1, 7]
     p = build(lens, block_size=16, n_kv=n_kv, head_dim=32, seed=5)
     gen = torch.Generator().manual_seed(5)
