@@ -75,6 +75,37 @@ LABS: dict[int, LabSpec] = {
         preload=("regex",),
         memory_mb=1024,  # pure-Python BPE on small texts needs far less; MemoryError comes quickly
     ),
+    2: LabSpec(
+        number=2,
+        name="attention",
+        title="Lab 2: Attention and the KV cache",
+        notebook="lab02_attention_kv_cache.ipynb",
+        setup_cells=("setup",),
+        graded_cells=MappingProxyType(
+            {
+                "causal-attention": ("causal_attention",),
+                "kv-cache": ("ContiguousKVCache",),
+                "kv-bytes": ("kv_cache_bytes",),
+                "top-k": ("apply_top_k",),
+                "top-p": ("apply_top_p",),
+                "filter-logits": ("filter_logits",),
+                "sample": ("sample",),
+            }
+        ),
+        blocked_modules=MappingProxyType(
+            {
+                "nanolab": _OWN_CODE,
+                "autograder": "graded code may not use the grader",
+                "transformers": "your attention and sampling must be your own",
+                "vllm": "your attention and sampling must be your own",
+            }
+        ),
+        # The models run in the grader; the sandbox gets each layer's q, k, v and sends back the
+        # attention, so it needs torch but holds only small tensors. torch maps a lot of address space
+        # when imported (hence preloaded, before the limit), and its allocator more at first use.
+        preload=("torch", "numpy"),
+        memory_mb=2048,
+    ),
 }
 
 

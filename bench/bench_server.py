@@ -46,12 +46,16 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
-def make_workload(tokenizer, n: int, seed: int, max_len: int, quick: bool) -> tuple[list[list[int]], list[int]]:
+def make_workload(
+    tokenizer, n: int, seed: int, max_len: int, quick: bool
+) -> tuple[list[list[int]], list[int]]:
     """n prompts (8..128 tokens) cut from Python source, and output lengths (16..96 tokens)."""
     import inspect
     import textwrap
 
-    ids = tokenizer.encode("".join(inspect.getsource(m) for m in (json, textwrap, random, statistics, argparse)))
+    ids = tokenizer.encode(
+        "".join(inspect.getsource(m) for m in (json, textwrap, random, statistics, argparse))
+    )
     rng = random.Random(seed)
     hi_p, hi_o = (32, 24) if quick else (128, 96)
     prompts, lengths = [], []
@@ -69,12 +73,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def scrape(url: str) -> dict[str, float]:
+    """The server's /metrics as {sample: value}."""
+    text = httpx.get(f"{url}/metrics").text
+    return {
+        k: float(v) for k, v in (x.rsplit(" ", 1) for x in text.splitlines() if x and not x.startswith("#"))
+    }
+
+
 def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "nanolab.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--log-level", "warning", "--max-num-seqs", str(args.max_num_seqs)]
     if args.model:
         cmd += ["--model", args.model]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = dict(os.environ)
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)  # torch's intra-op threads in the server process
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
@@ -145,9 +160,12 @@ async def run_clients(url: str, model: str, prompts, lengths, clients: int) -> t
                 i = todo.get_nowait()
                 results[i] = await one_request(client, model, prompts[i], lengths[i])
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         await asyncio.gather(*(worker() for _ in range(clients)))
-        return time.perf_counter() - t0, results  # type: ignore[return-value]
+        wall = time.perf_counter() - t0
+        if len(prompts) > 2:
+            print(f"client CPU time: {time.process_time() - cpu0:.2f} s over {wall:.2f} s")
+        return wall, results  # type: ignore[return-value]
 
 
 def main() -> None:
@@ -157,21 +175,35 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=128, help="requests in the workload (default 128)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="engine option, for both server and offline")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600, help="give up on the server run after this many seconds")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads, server and offline (default: torch's)"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=600, help="give up on the server run after this many seconds"
+    )
     p.add_argument("--quick", action="store_true", help="short prompts and outputs (a smoke test)")
     args = p.parse_args()
     if not 1 <= args.clients <= 256 or not 1 <= args.requests <= 4096:
         p.error("--clients must be in [1, 256] and --requests in [1, 4096]")
 
+    import torch
+
     from nanolab import LLM, SamplingParams
     from nanolab.loading import resolve_checkpoint
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs)
     model_name = resolve_checkpoint(args.model).name
-    prompts, lengths = make_workload(llm.tokenizer, args.requests, args.seed, llm.engine.max_model_len, args.quick)
+    prompts, lengths = make_workload(
+        llm.tokenizer, args.requests, args.seed, llm.engine.max_model_len, args.quick
+    )
     n_out = sum(lengths)
-    print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {n_out} output tokens; "
-          f"{args.clients} concurrent streaming clients; torch threads: {os.environ.get('OMP_NUM_THREADS', 'default')}")
+    print(
+        f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {n_out} output tokens; "
+        f"{args.clients} concurrent streaming clients; torch threads: {torch.get_num_threads()}"
+    )
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -179,33 +211,63 @@ def main() -> None:
     try:
         wait_healthy(proc, url, timeout=120)
         asyncio.run(run_clients(url, model_name, prompts[:2], lengths[:2], 2))  # warm-up
+        busy0 = scrape(url)["nanolab_engine_step_seconds_total"]
         wall, results = asyncio.run(
             asyncio.wait_for(run_clients(url, model_name, prompts, lengths, args.clients), args.timeout)
         )
-        metrics = httpx.get(f"{url}/metrics").text
+        samples = scrape(url)
     finally:
         stop_server(proc)
-    mean_batch = next((float(x.split()[1]) for x in metrics.splitlines() if x.startswith("nanolab_mean_batch_size ")), 0.0)
+    mean_batch = samples["nanolab_mean_batch_size"]
+    server_ttft = (
+        samples["nanolab_time_to_first_token_seconds_sum"]
+        / samples["nanolab_time_to_first_token_seconds_count"]
+    )
+    busy = (samples["nanolab_engine_step_seconds_total"] - busy0) / wall
 
     ttft = [r.chunk_times[0] - r.sent for r in results if r.chunk_times]
     itl = [b - a for r in results for a, b in zip(r.chunk_times, r.chunk_times[1:])]
-    assert sum(r.completion_tokens for r in results) == n_out, "the server generated a different number of tokens"
+    assert sum(r.completion_tokens for r in results) == n_out, (
+        "the server generated a different number of tokens"
+    )
 
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     offline_wall = time.perf_counter() - t0
+    offline_batch = llm.stats()["mean_batch_size"]
+    # The server never holds more than `clients` requests at once; offline with that cap separates
+    # the cost of the lower concurrency from the cost of HTTP, JSON and streaming.
+    capped = LLM(args.model, max_num_seqs=min(args.clients, args.max_num_seqs))
+    t0 = time.perf_counter()
+    capped.generate(prompts, params, use_tqdm=False)
+    capped_wall = time.perf_counter() - t0
     same = sum(r.text == o.outputs[0].text for r, o in zip(results, outs))
 
-    print(f"{'':10}{'req/s':>9}{'out tok/s':>11}{'wall s':>9}")
-    print(f"{'server':10}{len(results) / wall:9.2f}{n_out / wall:11.1f}{wall:9.2f}")
-    print(f"{'offline':10}{len(outs) / offline_wall:9.2f}{n_out / offline_wall:11.1f}{offline_wall:9.2f}")
-    print(f"throughput ratio server / offline: {offline_wall / wall:.2f}")
-    print(f"server TTFT  p50 {percentile(ttft, 50) * 1e3:8.1f} ms   p99 {percentile(ttft, 99) * 1e3:8.1f} ms")
+    rows = [
+        ("server", wall, mean_batch),
+        ("offline", offline_wall, offline_batch),
+        (
+            f"offline, {min(args.clients, args.max_num_seqs)} at a time",
+            capped_wall,
+            capped.stats()["mean_batch_size"],
+        ),
+    ]
+    print(f"{'':26}{'req/s':>9}{'out tok/s':>11}{'wall s':>9}{'mean batch':>12}")
+    for name, w, b in rows:
+        print(f"{name:26}{len(prompts) / w:9.2f}{n_out / w:11.1f}{w:9.2f}{b:12.1f}")
+    print(
+        f"throughput ratio server / offline: {offline_wall / wall:.2f}  (server / offline at the same concurrency: "
+        f"{capped_wall / wall:.2f})"
+    )
+    print(
+        f"server TTFT  p50 {percentile(ttft, 50) * 1e3:8.1f} ms   p99 {percentile(ttft, 99) * 1e3:8.1f} ms  "
+        f"(mean {statistics.mean(ttft) * 1e3:.1f} ms at the client, {server_ttft * 1e3:.1f} ms inside the server)"
+    )
     print(f"server ITL   p50 {percentile(itl, 50) * 1e3:8.1f} ms   p99 {percentile(itl, 99) * 1e3:8.1f} ms")
-    print(f"server mean batch size: {mean_batch:.1f} (offline: {llm.stats()['mean_batch_size']:.1f})")
-    print(f"outputs equal to offline greedy: {same}/{len(outs)}")
+    print(f"server engine busy (inside steps) {busy:.0%} of the wall time")
+    print(f"server outputs equal to offline greedy: {same}/{len(outs)}")
 
 
 if __name__ == "__main__":

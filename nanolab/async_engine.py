@@ -5,7 +5,7 @@
     await add(prompts) --> command queue ------->  between two steps: take every queued command
                        <-- "accepted" / ValueError   (add requests, abort requests)
                                                    engine.step()   (all requests share one batch)
-    RequestGroup.queue <-- loop.call_soon_threadsafe -- each step's outputs, request by request
+    RequestGroup.queue <-- loop.call_soon_threadsafe -- each step's outputs (one wake-up per step)
 
 One thread owns the `Engine`, so no lock guards it: the engine stays the single-threaded loop of Lab 7,
 and continuous batching happens by itself because every connection's requests land in the same
@@ -14,8 +14,12 @@ engine. With nothing to do the thread blocks on the command queue (no busy waiti
 Failure is contained: if a step raises, the requests that were running fail with `EngineStepError`
 (their KV blocks are freed by aborting them) and the thread goes on with the next command.
 
-Deliberately left out: several engines (data parallelism), request timeouts, back-pressure on the
-command queue.
+The price of one process: the HTTP thread and the engine thread share Python's GIL, so each slows
+the other a little (`bench/bench_server.py` measures it). vLLM runs its engine core in a separate
+process for that reason. Tokenization also runs on the engine thread, between steps.
+
+Deliberately left out: an engine process, several engines (data parallelism), request timeouts,
+back-pressure on the command queue.
 """
 
 from __future__ import annotations
@@ -61,14 +65,41 @@ class RequestGroup:
         self.request_ids = [f"{group_id}-{i}" for i in range(size)]
         self.queue: asyncio.Queue[tuple[int, RequestOutput | EngineStepError]] = asyncio.Queue()
         self.arrival = time.monotonic()
-        self._loop = loop
+        self.loop = loop
 
-    def deliver(self, index: int, item: RequestOutput | EngineStepError) -> None:
-        """Hand an item to the event loop (called from the engine thread)."""
+
+Delivery = tuple[RequestGroup, int, "RequestOutput | EngineStepError"]
+
+
+class _Mailbox:
+    """Items on their way from the engine thread to one event loop.
+
+    Waking a loop (`call_soon_threadsafe`) costs a system call and a thread switch, so there is at
+    most one wake-up in flight: items posted before the loop got to it ride along with it.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: list[Delivery] = []
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def post(self, items: list[Delivery]) -> None:
+        with self._lock:
+            self._items += items
+            if self._scheduled:
+                return
+            self._scheduled = True
         try:
-            self._loop.call_soon_threadsafe(self.queue.put_nowait, (index, item))
+            self.loop.call_soon_threadsafe(self._drain)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+    def _drain(self) -> None:  # on the event loop
+        with self._lock:
+            items, self._items, self._scheduled = self._items, [], False
+        for group, index, item in items:
+            group.queue.put_nowait((index, item))
 
 
 @dataclass
@@ -76,6 +107,7 @@ class _Add:
     group: RequestGroup
     prompts: list[Prompt]
     params: list[SamplingParams]
+    priority: int
     accepted: concurrent.futures.Future
 
 
@@ -104,6 +136,8 @@ class AsyncEngine:
         self.metrics = metrics or ServerMetrics()
         self._commands: queue.Queue[Any] = queue.Queue()
         self._live: dict[str, _Live] = {}
+        self._outbox: list[Delivery] = []  # outputs of this round, delivered together
+        self._mailboxes: dict[asyncio.AbstractEventLoop, _Mailbox] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
         engine.step_log = []  # per-step (requests, tokens, forward s, step s), drained into the metrics
@@ -129,7 +163,9 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
-    async def add(self, group_id: str, prompts: Sequence[Prompt], params: Sequence[SamplingParams]) -> RequestGroup:
+    async def add(
+        self, group_id: str, prompts: Sequence[Prompt], params: Sequence[SamplingParams], priority: int = 0
+    ) -> RequestGroup:
         """Queue one request per prompt; returns once the engine accepted them all.
 
         Raises `ValueError` (and queues nothing) if any prompt could never run: empty, too long for
@@ -139,7 +175,7 @@ class AsyncEngine:
             raise EngineNotRunning("the engine is not running")
         group = RequestGroup(group_id, len(prompts), asyncio.get_running_loop())
         accepted: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_Add(group, list(prompts), list(params), accepted))
+        self._commands.put(_Add(group, list(prompts), list(params), priority, accepted))
         await asyncio.wrap_future(accepted)
         return group
 
@@ -166,9 +202,23 @@ class AsyncEngine:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
                     cmd = None
-            if self.engine.has_unfinished():
-                self._step()
-            self._publish()
+            try:
+                if self.engine.has_unfinished():
+                    self._step()
+                self._publish()
+            except Exception:  # a bug outside the step itself (a plugged-in component?): keep the thread
+                log.exception("the engine thread hit an error between steps")
+            self._flush()
+
+    def _flush(self) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[Delivery]] = {}
+        for d in self._outbox:
+            by_loop.setdefault(d[0].loop, []).append(d)
+        for loop, items in by_loop.items():
+            if loop not in self._mailboxes:
+                self._mailboxes[loop] = _Mailbox(loop)
+            self._mailboxes[loop].post(items)
+        self._outbox = []
 
     def _handle(self, cmd: _Add | _Abort) -> None:
         try:
@@ -198,7 +248,7 @@ class AsyncEngine:
             cmd.accepted.set_exception(exc)
             return
         for i, ((text, ids), sp, rid) in enumerate(zip(tokenized, cmd.params, cmd.group.request_ids)):
-            engine.add_request(ids, sp, request_id=rid, prompt_text=text)
+            engine.add_request(ids, sp, request_id=rid, priority=cmd.priority, prompt_text=text)
             self._live[rid] = _Live(cmd.group, i)
             self.metrics.prompt_tokens.inc(len(ids))
         cmd.accepted.set_result(None)
@@ -222,21 +272,12 @@ class AsyncEngine:
         live = self._live.get(out.request_id)
         if live is None:
             return
-        m = self.metrics
-        n_new = len(out.outputs[0].delta_token_ids)
-        if n_new:
-            m.generation_tokens.inc(n_new)
-            if live.last_token_time is None:
-                m.ttft.observe(now - live.group.arrival)
-            else:
-                for _ in range(n_new):
-                    m.itl.observe((now - live.last_token_time) / n_new)
+        self.metrics.observe_output(out, live.group.arrival, live.last_token_time, now)
+        if out.outputs[0].delta_token_ids:
             live.last_token_time = now
         if out.finished:
-            m.requests.inc(status=out.outputs[0].finish_reason or "abort")
-            m.e2e.observe(now - live.group.arrival)
             self._forget(out.request_id)
-        live.group.deliver(live.index, out)
+        self._outbox.append((live.group, live.index, out))
 
     def _fail_running(self, exc: Exception) -> None:
         sched = self.engine.scheduler
@@ -253,7 +294,7 @@ class AsyncEngine:
             if live is not None:
                 self.metrics.requests.inc(status="error")
                 self._forget(rid)
-                live.group.deliver(live.index, error)
+                self._outbox.append((live.group, live.index, error))
 
     def _forget(self, rid: str) -> None:
         self._live.pop(rid, None)
@@ -261,7 +302,11 @@ class AsyncEngine:
 
     def _stop_all(self) -> None:
         for rid in list(self._live):
-            out = self.engine.abort(rid)
+            try:
+                out = self.engine.abort(rid)
+            except Exception:
+                log.exception("aborting request %s at shutdown failed", rid)
+                out = None
             if out is not None:
                 self._route(out, time.monotonic())
         while True:  # commands that arrived after the stop
@@ -271,27 +316,13 @@ class AsyncEngine:
                 break
             if isinstance(cmd, _Add) and cmd.accepted.set_running_or_notify_cancel():
                 cmd.accepted.set_exception(EngineNotRunning("the server is shutting down"))
+        self._flush()
         self._publish()
 
     def _drain_step_log(self) -> None:
-        log_ = self.engine.step_log
-        if log_:
-            for num_seqs, *_ in log_:
-                self.metrics.batch_size.observe(num_seqs)
-            self.metrics.steps.inc(len(log_))
-            log_.clear()
+        if self.engine.step_log:
+            self.metrics.observe_steps(self.engine.step_log)
+            self.engine.step_log.clear()
 
     def _publish(self) -> None:
-        """Copy the engine's state into the gauges (only this thread reads the engine)."""
-        engine, m = self.engine, self.metrics
-        stats = engine.stats()
-        allocator = engine.kv.allocator
-        cache = engine.kv.prefix_cache
-        m.mean_batch_size.set(stats["mean_batch_size"])
-        m.running.set(len(engine.scheduler.running))
-        m.waiting.set(len(engine.scheduler.waiting))
-        m.kv_total.set(allocator.num_total)
-        m.kv_free.set(allocator.num_free)
-        m.kv_cached.set(cache.total_size // engine.kv.block_size if cache is not None else 0)
-        m.kv_usage.set(engine.kv.usage())
-        m.prefix_hit_rate.set(stats["prefix_hit_rate"])
+        self.metrics.observe_engine(self.engine)  # only this thread may read the engine

@@ -25,6 +25,11 @@ import bisect
 import math
 import threading
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nanolab.engine import Engine
+    from nanolab.request import RequestOutput
 
 Sample = tuple[str, dict[str, str], float]  # (name with suffix, labels, value)
 
@@ -205,10 +210,18 @@ class ServerMetrics:
             f"{p}_time_to_first_token_seconds", "Time from receiving a request to its first output token."
         )
         self.itl = r.histogram(f"{p}_inter_token_latency_seconds", "Time between consecutive output tokens.")
-        self.e2e = r.histogram(f"{p}_e2e_request_latency_seconds", "Time from receiving a request to its end.")
+        self.e2e = r.histogram(
+            f"{p}_e2e_request_latency_seconds", "Time from receiving a request to its end."
+        )
         self.batch_size = r.histogram(f"{p}_batch_size", "Requests in each engine step.", BATCH_BUCKETS)
         self.steps = r.counter(f"{p}_engine_steps_total", "Engine steps run.")
-        self.step_errors = r.counter(f"{p}_engine_step_errors_total", "Engine steps that raised an exception.")
+        self.step_seconds = r.counter(
+            f"{p}_engine_step_seconds_total",
+            "Time spent inside engine steps (busy time; its rate is utilisation).",
+        )
+        self.step_errors = r.counter(
+            f"{p}_engine_step_errors_total", "Engine steps that raised an exception."
+        )
         self.mean_batch_size = r.gauge(f"{p}_mean_batch_size", "Mean requests per engine step since start.")
         self.running = r.gauge(f"{p}_requests_running", "Requests in the running batch (holding KV blocks).")
         self.waiting = r.gauge(f"{p}_requests_waiting", "Requests waiting to be admitted.")
@@ -226,3 +239,41 @@ class ServerMetrics:
 
     def render(self) -> str:
         return self.registry.render()
+
+    # -- updates, called by the engine thread --------------------------------------------------------
+
+    def observe_output(
+        self, out: RequestOutput, arrival: float, last_token_time: float | None, now: float
+    ) -> None:
+        """Account for one incremental output that arrived at ``now`` (request received at ``arrival``)."""
+        n_new = len(out.outputs[0].delta_token_ids)
+        if n_new:
+            self.generation_tokens.inc(n_new)
+            if last_token_time is None:
+                self.ttft.observe(now - arrival)
+            else:
+                for _ in range(n_new):
+                    self.itl.observe((now - last_token_time) / n_new)
+        if out.finished:
+            self.requests.inc(status=out.outputs[0].finish_reason or "abort")
+            self.e2e.observe(now - arrival)
+
+    def observe_steps(self, step_log: list[tuple[int, int, float, float]]) -> None:
+        """Account for steps from `Engine.step_log`: (requests, tokens, forward s, step s) each."""
+        for num_seqs, _tokens, _forward_s, step_s in step_log:
+            self.batch_size.observe(num_seqs)
+            self.step_seconds.inc(step_s)
+        self.steps.inc(len(step_log))
+
+    def observe_engine(self, engine: Engine) -> None:
+        """Copy the engine's current state into the gauges."""
+        stats = engine.stats()
+        allocator, cache = engine.kv.allocator, engine.kv.prefix_cache
+        self.mean_batch_size.set(stats["mean_batch_size"])
+        self.running.set(len(engine.scheduler.running))
+        self.waiting.set(len(engine.scheduler.waiting))
+        self.kv_total.set(allocator.num_total)
+        self.kv_free.set(allocator.num_free)
+        self.kv_cached.set(cache.total_size // engine.kv.block_size if cache is not None else 0)
+        self.kv_usage.set(engine.kv.usage())
+        self.prefix_hit_rate.set(stats["prefix_hit_rate"])

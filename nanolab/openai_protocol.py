@@ -3,7 +3,7 @@
 Request (``POST /v1/completions``, JSON): ``prompt`` (a string, a list of strings, a list of token ids
 or a list of such lists), ``model``, ``max_tokens`` (default 16), ``temperature``, ``top_p``, ``seed``,
 ``stop``, ``stream``, ``stream_options.include_usage``; and vLLM's extras ``top_k``, ``min_p``,
-``stop_token_ids``, ``ignore_eos``. Unknown fields are ignored, as vLLM does; fields nanolab cannot
+``stop_token_ids``, ``ignore_eos``, ``priority``. Unknown fields are ignored, as vLLM does; fields nanolab cannot
 honour (``n > 1``, ``logprobs``, ``echo``, ``suffix``, penalties, ``logit_bias``) are refused.
 
 Response: ``{"id", "object": "text_completion", "created", "model", "choices": [{"index", "text",
@@ -48,7 +48,9 @@ class InvalidRequest(ValueError):
         self.message, self.param, self.code = message, param, code
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+):
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -61,6 +63,7 @@ class CompletionRequest:
     model: str
     stream: bool = False
     include_usage: bool = False
+    priority: int = 0  # lower = sooner, with the engine's "priority" scheduling policy (vLLM's extra field)
 
 
 def _is_int(x: Any) -> bool:
@@ -70,7 +73,9 @@ def _is_int(x: Any) -> bool:
 def parse_prompts(prompt: Any) -> list[Prompt]:
     """The prompts of a request: a string, a list of strings, token ids, or a list of token id lists."""
     if prompt is None:
-        raise InvalidRequest("the request has no prompt: give 'prompt' as a string or a list of strings", "prompt")
+        raise InvalidRequest(
+            "the request has no prompt: give 'prompt' as a string or a list of strings", "prompt"
+        )
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
@@ -78,7 +83,9 @@ def parse_prompts(prompt: Any) -> list[Prompt]:
     elif isinstance(prompt, list):
         prompts = prompt
     else:
-        raise InvalidRequest(f"prompt must be a string or a list of strings, got {type(prompt).__name__}", "prompt")
+        raise InvalidRequest(
+            f"prompt must be a string or a list of strings, got {type(prompt).__name__}", "prompt"
+        )
     if not prompts:
         raise InvalidRequest("prompt is an empty list; give at least one prompt", "prompt")
     for i, p in enumerate(prompts):
@@ -88,7 +95,9 @@ def parse_prompts(prompt: Any) -> list[Prompt]:
                 raise InvalidRequest(f"{where} is empty; give at least one character", "prompt")
         elif isinstance(p, list) and all(_is_int(t) for t in p):
             if not p:
-                raise InvalidRequest(f"{where} is an empty list of token ids; give at least one token", "prompt")
+                raise InvalidRequest(
+                    f"{where} is an empty list of token ids; give at least one token", "prompt"
+                )
             if any(t < 0 for t in p):
                 raise InvalidRequest(f"{where} has a negative token id", "prompt")
         else:
@@ -103,7 +112,9 @@ def parse_completion_request(body: Any, model_name: str) -> CompletionRequest:
     model = body.get("model")
     if model is not None and model != model_name:
         raise InvalidRequest(
-            f"unknown model {model!r}: this server serves {model_name!r} (see GET /v1/models)", "model", "model_not_found"
+            f"unknown model {model!r}: this server serves {model_name!r} (see GET /v1/models)",
+            "model",
+            "model_not_found",
         )
     prompts = parse_prompts(body.get("prompt"))
     for name, neutral in _UNSUPPORTED.items():
@@ -124,10 +135,17 @@ def parse_completion_request(body: Any, model_name: str) -> CompletionRequest:
         raise InvalidRequest(f"stream must be true or false, got {stream!r}", "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
-        raise InvalidRequest("stream_options must be an object such as {\"include_usage\": true}", "stream_options")
+        raise InvalidRequest(
+            'stream_options must be an object such as {"include_usage": true}', "stream_options"
+        )
     if options and not stream:
         raise InvalidRequest("stream_options is only allowed with stream=true", "stream_options")
-    return CompletionRequest(prompts, params, model_name, stream, bool(options.get("include_usage")))
+    priority = body.get("priority") or 0
+    if not _is_int(priority):
+        raise InvalidRequest(f"priority must be an integer (lower = sooner), got {priority!r}", "priority")
+    return CompletionRequest(
+        prompts, params, model_name, stream, bool(options.get("include_usage")), priority
+    )
 
 
 def new_completion_id() -> str:

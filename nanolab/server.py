@@ -108,7 +108,7 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
         try:
             req = oa.parse_completion_request(body, model_name)
             cid = oa.new_completion_id()
-            group = await aengine.add(cid, req.prompts, [req.params] * len(req.prompts))
+            group = await aengine.add(cid, req.prompts, [req.params] * len(req.prompts), req.priority)
         except oa.InvalidRequest as exc:
             metrics.requests.inc(status="rejected")
             return error_response(400, exc.message, param=exc.param, code=exc.code)
@@ -119,14 +119,18 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
             return error_response(503, f"{exc}; try again later", "server_error")
         if req.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(_stream(aengine, group, req), media_type="text/event-stream", headers=headers)
+            return StreamingResponse(
+                _stream(aengine, group, req), media_type="text/event-stream", headers=headers
+            )
         try:
             finals = await _collect(aengine, group, request)
         except EngineStepError as exc:
             return error_response(500, str(exc), "server_error")
         except ClientGone:
             return error_response(499, "the client closed the connection")
-        choices = [oa.choice(i, o.outputs[0].text or "", o.outputs[0].finish_reason) for i, o in enumerate(finals)]
+        choices = [
+            oa.choice(i, o.outputs[0].text or "", o.outputs[0].finish_reason) for i, o in enumerate(finals)
+        ]
         n_prompt = sum(len(o.prompt_token_ids) for o in finals)
         n_out = sum(len(o.outputs[0].token_ids) for o in finals)
         return oa.completion_body(cid, model_name, oa.now(), choices, oa.usage(n_prompt, n_out))
@@ -166,31 +170,45 @@ async def _collect(aengine: AsyncEngine, group: RequestGroup, request: Request) 
 
 
 async def _stream(aengine: AsyncEngine, group: RequestGroup, req: oa.CompletionRequest) -> AsyncIterator[str]:
-    """Server-sent events for a streamed completion. Cancelled when the client disconnects."""
+    """Server-sent events for a streamed completion. Cancelled when the client disconnects.
+
+    Everything already queued goes out in one write: when the server lags, tokens are sent together
+    rather than one write (and one thread switch) each.
+    """
     cid, created, model = group.group_id, oa.now(), req.model
     n = len(group.request_ids)
     done = 0
+    failed = False
     prompt_tokens = completion_tokens = 0
     try:
-        while done < n:
-            index, item = await group.queue.get()
-            if isinstance(item, EngineStepError):
-                yield oa.sse(oa.error_body(str(item), "server_error"))
-                break
-            c = item.outputs[0]
-            if c.delta_text or item.finished:
-                finish = c.finish_reason if item.finished else None
-                chunk = oa.completion_body(cid, model, created, [oa.choice(index, c.delta_text, finish)], None)
-                if req.include_usage:
-                    chunk["usage"] = None  # as OpenAI: null on every chunk, the totals in a last one
-                yield oa.sse(chunk)
-            if item.finished:
-                done += 1
-                prompt_tokens += len(item.prompt_token_ids)
-                completion_tokens += len(c.token_ids)
-        else:
-            if req.include_usage:
-                yield oa.sse(oa.completion_body(cid, model, created, [], oa.usage(prompt_tokens, completion_tokens)))
+        while done < n and not failed:
+            items = [await group.queue.get()]
+            while not group.queue.empty():
+                items.append(group.queue.get_nowait())
+            events = []
+            for index, item in items:
+                if isinstance(item, EngineStepError):
+                    events.append(oa.sse(oa.error_body(str(item), "server_error")))
+                    failed = True
+                    break
+                c = item.outputs[0]
+                if c.delta_text or item.finished:
+                    finish = c.finish_reason if item.finished else None
+                    chunk = oa.completion_body(
+                        cid, model, created, [oa.choice(index, c.delta_text, finish)], None
+                    )
+                    if req.include_usage:
+                        chunk["usage"] = None  # as OpenAI: null on every chunk, the totals in a last one
+                    events.append(oa.sse(chunk))
+                if item.finished:
+                    done += 1
+                    prompt_tokens += len(item.prompt_token_ids)
+                    completion_tokens += len(c.token_ids)
+            if not failed and done == n and req.include_usage:
+                usage = oa.usage(prompt_tokens, completion_tokens)
+                events.append(oa.sse(oa.completion_body(cid, model, created, [], usage)))
+            if events:
+                yield "".join(events)
         yield oa.sse("[DONE]")
     finally:
         if done < n:  # the client left (the generator was cancelled or closed) or the engine failed
@@ -217,4 +235,3 @@ def run_server(args: argparse.Namespace) -> int:
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
-

@@ -20,7 +20,9 @@ def parse(text: str) -> dict:
 
 
 @given(st.lists(st.floats(min_value=0, max_value=100, allow_nan=False), max_size=50))
-def test_histogram_buckets_are_cumulative_counts_of_observations_at_most_their_bound(values: list[float]) -> None:
+def test_histogram_buckets_are_cumulative_counts_of_observations_at_most_their_bound(
+    values: list[float],
+) -> None:
     h = Histogram("lat_seconds", "Latency.", BOUNDS)
     for v in values:
         h.observe(v)
@@ -39,7 +41,9 @@ def test_an_observation_on_a_bound_falls_in_that_bucket() -> None:
     h = Histogram("x", "X.", (1, 2))
     h.observe(1.0)
     lines = h.render().splitlines()
-    assert 'x_bucket{le="1"} 1' in lines and 'x_bucket{le="2"} 1' in lines and 'x_bucket{le="+Inf"} 1' in lines
+    assert (
+        'x_bucket{le="1"} 1' in lines and 'x_bucket{le="2"} 1' in lines and 'x_bucket{le="+Inf"} 1' in lines
+    )
 
 
 def test_labelled_counter_renders_one_sample_per_label_value_with_help_and_type() -> None:
@@ -68,7 +72,13 @@ def test_gauge_keeps_the_last_value_and_values_format_like_prometheus() -> None:
     g.set(3)
     g.set(0.25)
     assert "g 0.25\n" in g.render()
-    assert [format_value(v) for v in (1.0, 2.5, math.inf, -math.inf, math.nan)] == ["1", "2.5", "+Inf", "-Inf", "NaN"]
+    assert [format_value(v) for v in (1.0, 2.5, math.inf, -math.inf, math.nan)] == [
+        "1",
+        "2.5",
+        "+Inf",
+        "-Inf",
+        "NaN",
+    ]
 
 
 def test_registry_refuses_duplicate_names_and_server_metrics_parse() -> None:

@@ -8,10 +8,14 @@ model with a tiny trained tokenizer, built once per module; every expected outpu
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import json
+import signal
 import socket
+import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -30,6 +34,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 from nanolab import LLM, SamplingParams  # noqa: E402
+from nanolab.async_engine import AsyncEngine, EngineNotRunning  # noqa: E402
 from nanolab.loading import save_model  # noqa: E402
 from nanolab.model import ModelConfig, Transformer  # noqa: E402
 from nanolab.server import build_app  # noqa: E402
@@ -216,14 +221,18 @@ def test_completion_of_a_list_of_prompts_equals_offline_greedy(server: Live, off
 
 
 def test_default_max_tokens_is_16(server: Live) -> None:
-    resp = server.client().completions.create(model=MODEL_NAME, prompt="import", temperature=0, extra_body={"ignore_eos": True})
+    resp = server.client().completions.create(
+        model=MODEL_NAME, prompt="import", temperature=0, extra_body={"ignore_eos": True}
+    )
     assert resp.usage.completion_tokens == 16 and resp.choices[0].finish_reason == "length"
 
 
 def test_token_id_prompts_are_accepted(server: Live, offline: LLM) -> None:
     ids = [[5, 17, 200, 33], [99, 1, 2]]
     resp = server.client().completions.create(model=MODEL_NAME, prompt=ids, max_tokens=8, temperature=0)
-    assert [c.text for c in resp.choices] == offline_texts(offline, ids, SamplingParams(max_tokens=8, temperature=0))
+    assert [c.text for c in resp.choices] == offline_texts(
+        offline, ids, SamplingParams(max_tokens=8, temperature=0)
+    )
 
 
 def test_stop_strings_and_seeded_sampling_equal_offline(server: Live, offline: LLM) -> None:
@@ -231,13 +240,21 @@ def test_stop_strings_and_seeded_sampling_equal_offline(server: Live, offline: L
     client = server.client()
     greedy = offline_texts(offline, PROMPTS[0], SamplingParams(max_tokens=24, temperature=0))[0]
     stop = greedy[5:7] if len(greedy) > 7 else "zz"
-    resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=[stop])
+    resp = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=[stop]
+    )
     want = offline_texts(offline, PROMPTS[0], SamplingParams(max_tokens=24, temperature=0, stop=[stop]))[0]
     assert resp.choices[0].text == want and stop not in want
 
     params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
     resp = client.completions.create(
-        model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, extra_body={"top_k": 50}
+        model=MODEL_NAME,
+        prompt=PROMPTS[1],
+        max_tokens=16,
+        temperature=1.0,
+        top_p=0.9,
+        seed=1234,
+        extra_body={"top_k": 50},
     )
     assert resp.choices[0].text == offline_texts(offline, PROMPTS[1], params)[0]
 
@@ -247,7 +264,12 @@ def test_streaming_equals_offline_and_ends_with_usage_and_done(server: Live, off
     params = SamplingParams(max_tokens=20, temperature=0)
     expected = offline.generate(prompts, params, use_tqdm=False)
     stream = server.client().completions.create(
-        model=MODEL_NAME, prompt=prompts, max_tokens=20, temperature=0, stream=True, stream_options={"include_usage": True}
+        model=MODEL_NAME,
+        prompt=prompts,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     texts, finish, usage = ["", ""], [None, None], None
     for chunk in stream:
@@ -294,7 +316,12 @@ def test_32_concurrent_streams_share_batches_and_each_equals_offline(server: Liv
     def run(prompt: str) -> str:
         start.wait()
         stream = client.completions.create(
-            model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0, stream=True, extra_body={"ignore_eos": True}
+            model=MODEL_NAME,
+            prompt=prompt,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
         )
         return "".join(c.choices[0].text for c in stream if c.choices)
 
@@ -308,7 +335,11 @@ def test_32_concurrent_streams_share_batches_and_each_equals_offline(server: Liv
     single = after['nanolab_batch_size_bucket{le="1"}'] - before['nanolab_batch_size_bucket{le="1"}']
     assert single < steps
     assert after["nanolab_mean_batch_size"] > 1
-    assert after['nanolab_requests_total{status="length"}'] - before.get('nanolab_requests_total{status="length"}', 0) == 32
+    assert (
+        after['nanolab_requests_total{status="length"}']
+        - before.get('nanolab_requests_total{status="length"}', 0)
+        == 32
+    )
     assert blocks_all_returned(after)
 
 
@@ -318,7 +349,14 @@ def test_32_concurrent_streams_share_batches_and_each_equals_offline(server: Liv
 def test_client_dropping_a_stream_aborts_its_request_and_frees_its_blocks(server: Live) -> None:
     before = server.metrics()
     aborts_before = before.get('nanolab_requests_total{status="abort"}', 0)
-    body = {"model": MODEL_NAME, "prompt": "while True:", "max_tokens": 100, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "while True:",
+        "max_tokens": 100,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with patched_forward(server.engine.model, slow):  # 100 tokens now take > 1 s: the drop comes first
         with server.http.stream("POST", "/v1/completions", json=body) as r:
             events = r.iter_lines()
@@ -330,9 +368,15 @@ def test_client_dropping_a_stream_aborts_its_request_and_frees_its_blocks(server
                     break
             mid = server.metrics()
             assert mid["nanolab_requests_running"] == 1
-            assert mid["nanolab_kv_blocks_free"] + mid["nanolab_kv_blocks_cached"] < mid["nanolab_kv_blocks_total"]
+            assert (
+                mid["nanolab_kv_blocks_free"] + mid["nanolab_kv_blocks_cached"]
+                < mid["nanolab_kv_blocks_total"]
+            )
         # leaving the block closed the connection mid-stream
-        wait_for(lambda: server.metrics().get('nanolab_requests_total{status="abort"}', 0) == aborts_before + 1, "the abort")
+        wait_for(
+            lambda: server.metrics().get('nanolab_requests_total{status="abort"}', 0) == aborts_before + 1,
+            "the abort",
+        )
     after = server.metrics()
     assert blocks_all_returned(after)
     generated = after["nanolab_generation_tokens_total"] - before["nanolab_generation_tokens_total"]
@@ -341,11 +385,20 @@ def test_client_dropping_a_stream_aborts_its_request_and_frees_its_blocks(server
 
 def test_client_giving_up_on_a_plain_request_aborts_it(server: Live) -> None:
     aborts_before = server.metrics().get('nanolab_requests_total{status="abort"}', 0)
-    body = {"model": MODEL_NAME, "prompt": "while True:", "max_tokens": 100, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "while True:",
+        "max_tokens": 100,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with patched_forward(server.engine.model, slow):
         with pytest.raises(httpx.ReadTimeout):
             server.http.post("/v1/completions", json=body, timeout=0.3)
-        wait_for(lambda: server.metrics().get('nanolab_requests_total{status="abort"}', 0) == aborts_before + 1, "the abort")
+        wait_for(
+            lambda: server.metrics().get('nanolab_requests_total{status="abort"}', 0) == aborts_before + 1,
+            "the abort",
+        )
     assert blocks_all_returned(server.metrics())
 
 
@@ -370,6 +423,7 @@ BAD = {
     "n > 1": ({"prompt": "a", "n": 2}, "n", "not supported"),
     "logprobs": ({"prompt": "a", "logprobs": 3}, "logprobs", "not supported"),
     "stream not a bool": ({"prompt": "a", "stream": "yes"}, "stream", "true or false"),
+    "priority not an integer": ({"prompt": "a", "priority": "high"}, "priority", "priority must be"),
     "body not an object": ([1, 2], None, "JSON object"),
 }
 
@@ -387,7 +441,9 @@ def test_bad_input_gets_400_naming_the_problem(server: Live, case: str) -> None:
 
 def test_malformed_json_gets_400_and_rejections_are_counted(server: Live) -> None:
     before = server.metrics().get('nanolab_requests_total{status="rejected"}', 0)
-    r = server.http.post("/v1/completions", content=b'{"prompt": "a",', headers={"Content-Type": "application/json"})
+    r = server.http.post(
+        "/v1/completions", content=b'{"prompt": "a",', headers={"Content-Type": "application/json"}
+    )
     assert r.status_code == 400
     assert "not valid JSON" in r.json()["error"]["message"]
     assert server.metrics()['nanolab_requests_total{status="rejected"}'] == before + 1
@@ -429,7 +485,9 @@ def test_an_engine_error_fails_its_request_with_500_and_the_server_keeps_serving
     with patched_forward(server.engine.model, fail_once):
         if stream:
             with pytest.raises(openai.APIError, match="injected failure"):
-                for _ in client.completions.create(model=MODEL_NAME, prompt="import", max_tokens=8, stream=True):
+                for _ in client.completions.create(
+                    model=MODEL_NAME, prompt="import", max_tokens=8, stream=True
+                ):
                     pass
         else:
             with pytest.raises(openai.InternalServerError, match="injected failure") as info:
@@ -437,12 +495,32 @@ def test_an_engine_error_fails_its_request_with_500_and_the_server_keeps_serving
             assert info.value.status_code == 500
         after = server.metrics()
         assert blocks_all_returned(after)
-        assert after['nanolab_requests_total{status="error"}'] == before.get('nanolab_requests_total{status="error"}', 0) + 1
+        assert (
+            after['nanolab_requests_total{status="error"}']
+            == before.get('nanolab_requests_total{status="error"}', 0) + 1
+        )
         assert after["nanolab_engine_step_errors_total"] == before["nanolab_engine_step_errors_total"] + 1
         # the next request runs normally (the engine thread survived)
         resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=12, temperature=0)
-    assert resp.choices[0].text == offline_texts(offline, PROMPTS[2], SamplingParams(max_tokens=12, temperature=0))[0]
+    assert (
+        resp.choices[0].text
+        == offline_texts(offline, PROMPTS[2], SamplingParams(max_tokens=12, temperature=0))[0]
+    )
     assert server.http.get("/health").status_code == 200
+
+
+def test_an_idle_engine_thread_sleeps_on_its_command_queue(server: Live) -> None:
+    """No busy waiting: with nothing to do, the engine thread is always found blocked in queue.get."""
+    wait_for(lambda: server.metrics()["nanolab_requests_running"] == 0, "an idle engine")
+    thread = server.app.state.async_engine._thread
+    for _ in range(20):
+        frame, stack = sys._current_frames()[thread.ident], []
+        while frame is not None:
+            stack.append(frame.f_code.co_name)
+            frame = frame.f_back
+        assert stack[0] == "wait" and "get" in stack and "_run" in stack, stack
+        assert "step" not in stack
+        time.sleep(0.01)
 
 
 # ---- metrics and lifecycle ---------------------------------------------------------------------------------
@@ -485,3 +563,64 @@ def test_stopping_the_server_stops_the_engine_thread(checkpoint: Path) -> None:
         assert aengine._thread.is_alive()
     assert not aengine._thread.is_alive()
     assert not aengine.is_running
+
+
+def test_shutdown_aborts_running_requests_frees_their_blocks_and_refuses_new_ones(checkpoint: Path) -> None:
+    llm = LLM(str(checkpoint))
+    aengine = AsyncEngine(llm.engine)
+    aengine.start()
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+
+    async def main() -> list:
+        with patched_forward(llm.engine.model, slow):
+            group = await aengine.add("g", ["while True:"], [params])
+            items = [(await group.queue.get())[1]]  # a first token: the request is running
+            await asyncio.to_thread(aengine.shutdown)
+            while not items[-1].finished:
+                items.append((await group.queue.get())[1])
+        with pytest.raises(EngineNotRunning):
+            await aengine.add("h", ["a"], [params])
+        return items
+
+    items = asyncio.run(main())
+    assert items[-1].outputs[0].finish_reason == "abort"
+    assert len(items[-1].outputs[0].token_ids) < 100
+    assert not aengine._thread.is_alive()
+    kv = llm.engine.kv
+    assert kv.allocator.num_free + kv.prefix_cache.total_size // kv.block_size == kv.allocator.num_total
+    assert not llm.engine.requests, "the server forgets finished requests"
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="sends SIGINT")
+def test_nanolab_serve_command_serves_the_checkpoint_and_exits_cleanly_on_ctrl_c(
+    checkpoint: Path, offline: LLM
+) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "nanolab.cli", "serve", "--model", str(checkpoint), "--port", str(port)]
+    cmd += ["--served-model-name", "cli-model", "--log-level", "warning", "--max-num-seqs", "8"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            deadline = time.monotonic() + 60
+            while True:
+                assert proc.poll() is None, proc.stderr.read()
+                try:
+                    if http.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "nanolab serve did not become healthy within 60 s"
+                time.sleep(0.1)
+            body = {"model": "cli-model", "prompt": PROMPTS[3], "max_tokens": 10, "temperature": 0}
+            text = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert text == offline_texts(offline, PROMPTS[3], SamplingParams(max_tokens=10, temperature=0))[0]
+    assert code == 0, proc.stderr.read()
