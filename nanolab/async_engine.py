@@ -243,7 +243,7 @@ class AsyncEngine:
             # Check every prompt before queueing any, so one bad prompt rejects the whole call.
             tokenized = [engine.tokenize(p) for p in cmd.prompts]
             for (_, ids), sp in zip(tokenized, cmd.params):
-                engine._check_admissible(ids, sp)
+                engine.check_request(ids, sp)
         except ValueError as exc:
             cmd.accepted.set_exception(exc)
             return

@@ -119,7 +119,7 @@ class Engine:
         )
         self.scheduler_config = sched_cfg
         self.scheduler = _build(scheduler, Scheduler, sched_cfg, self.kv)
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
         self._ids = itertools.count()
         self.stats_ = EngineStats()
         # Set to a list to record (requests, tokens, forward seconds, step seconds) for every step.
@@ -148,7 +148,7 @@ class Engine:
         """Queue a request. Raises `ValueError` at once for a request that could never run."""
         params = sampling_params or SamplingParams()
         text, ids = self.tokenize(prompt)
-        self._check_admissible(ids, params)
+        self.check_request(ids, params)
         rid = str(next(self._ids)) if request_id is None else request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -157,7 +157,8 @@ class Engine:
         self.scheduler.add(req)
         return req
 
-    def _check_admissible(self, ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, ids: list[int], params: SamplingParams) -> None:
+        """Raise `ValueError` (saying which limit and how to change it) for a request that could never run."""
         P, M, L = len(ids), params.max_tokens, self.max_model_len
         if P == 0:
             raise ValueError("the prompt is empty; give at least one token")
@@ -193,7 +194,7 @@ class Engine:
         return RequestOutput.of(req, self.tokenizer is not None)
 
     def has_unfinished(self) -> bool:
-        return any(not r.is_finished for r in self.requests.values())
+        return bool(self.requests)
 
     # -- the step -----------------------------------------------------------------------------------
 
@@ -296,6 +297,7 @@ class Engine:
         r.finish_reason = reason
         r.finish_time = time.monotonic()
         self.stats_.finished_requests += 1
+        del self.requests[r.request_id]  # the engine forgets finished requests (its caller has the output)
 
     # -- introspection ------------------------------------------------------------------------------
 

@@ -95,7 +95,7 @@ class LLM:
         # Check every prompt before queueing any, so a bad one leaves the engine untouched.
         tokenized = [self.engine.tokenize(p) for p in prompts]
         for (_, ids), sp in zip(tokenized, params):
-            self.engine._check_admissible(ids, sp)
+            self.engine.check_request(ids, sp)
         return [
             self.engine.add_request(ids, sp, priority=pr, prompt_text=text).request_id
             for (text, ids), sp, pr in zip(tokenized, params, prios)
