@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 
 import nanolab.loading
 from nanolab.generate import generate
-from nanolab.loading import load_model, load_tokenizer, resolve_checkpoint, save_hf, save_model, to_hf
+from nanolab.hf import save_hf, to_hf
+from nanolab.loading import load_model, load_tokenizer, resolve_checkpoint, save_model
 from nanolab.model import ModelConfig, Transformer
 
 
