@@ -178,3 +178,74 @@ def test_solution_notebook_runs_top_to_bottom_on_a_real_kernel(source, tmp_path,
     assert any("all checks passed" in "".join(o.get("text", "")) for o in outputs)
     assert json.loads(source.read_text()) == json.loads(source.read_text())  # solutions/ untouched
     assert all(c.get("outputs", []) == [] for c in json.loads(source.read_text())["cells"])
+
+
+LAB02 = "lab02_attention_kv_cache.ipynb"
+
+
+def _parameters(fn) -> list[tuple[str, object]]:
+    """Names and defaults of a callable's parameters (annotations aside: the notebook's name its own types)."""
+    return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+def test_lab02_learner_code_has_the_reference_signatures():
+    from nanolab import attention, kv_cache, sampling
+
+    namespace = _solution_namespace(LAB02)
+    assert _parameters(namespace["causal_attention"]) == _parameters(attention.dense_causal_attention)
+    assert _parameters(namespace["kv_cache_bytes"]) == _parameters(kv_cache.kv_cache_bytes)
+    for name in ("filter_logits", "sample", "make_generator"):
+        assert _parameters(namespace[name]) == _parameters(getattr(sampling, name)), name
+    learner, reference = namespace["ContiguousKVCache"], kv_cache.ContiguousKVCache
+    for method in ("__init__", "prepare", "attend", "reset"):
+        assert _parameters(getattr(learner, method)) == _parameters(getattr(reference, method)), method
+
+
+def test_lab02_setup_mirrors_the_reference_config_and_sampling_params():
+    """The notebook's SamplingParams has the reference's fields and defaults (those it has), and its
+    ModelShape the reference config's fields and head_dim, so the same hidden tests fit both."""
+    import dataclasses
+
+    from nanolab.model import ModelConfig
+    from nanolab.sampling import SamplingParams
+
+    namespace = _solution_namespace(LAB02)
+    reference = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+    mine = {f.name: f.default for f in dataclasses.fields(namespace["SamplingParams"])}
+    assert mine.items() <= reference.items()
+    with pytest.raises(ValueError, match="top_p"):
+        namespace["SamplingParams"](top_p=0)
+    assert namespace["SamplingParams"](temperature=0).greedy and not namespace["SamplingParams"]().greedy
+    shape_fields = {f.name for f in dataclasses.fields(namespace["ModelShape"])}
+    assert shape_fields <= {f.name for f in dataclasses.fields(ModelConfig)}
+    config = ModelConfig(n_layers=3, n_heads=6, n_kv_heads=2, d_model=48, max_seq_len=64)
+    shape = namespace["ModelShape"](**{name: getattr(config, name) for name in shape_fields})
+    assert shape.head_dim == config.head_dim
+    assert namespace["make_generator"](None) is None
+
+
+def test_lab02_learner_cache_plugs_into_the_reference_model():
+    """The solution's cache is a KVCacheProtocol and, in a random model, gives nanolab.generate's greedy tokens."""
+    import torch
+
+    from nanolab.generate import generate
+    from nanolab.kv_cache import KVCacheProtocol
+    from nanolab.model import ModelConfig, Transformer
+
+    namespace = _solution_namespace(LAB02)
+    torch.manual_seed(0)
+    model = Transformer(
+        ModelConfig(vocab_size=50, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, max_seq_len=40)
+    )
+    model.eval()
+    cache = namespace["ContiguousKVCache"](model.config, 30)
+    assert isinstance(cache, KVCacheProtocol)
+    assert cache.nbytes == namespace["kv_cache_bytes"](model.config, 30)
+    prompt = [3, 14, 15, 9, 2]
+    new, output = torch.tensor(prompt), []
+    with torch.inference_mode():
+        for _ in range(20):
+            hidden = model(new, cache.prepare(len(new)), cache)
+            output.append(int(model.compute_logits(hidden[-1:]).argmax()))
+            new = torch.tensor(output[-1:])
+    assert output == generate(model, None, prompt, max_new_tokens=20).token_ids
