@@ -153,15 +153,7 @@ class Sandbox:
 
     def close(self) -> None:
         """Kill the process group and remove the temporary directory."""
-        if self._proc is not None:
-            try:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+        self._kill()
         for fd in (self._rfd, self._wfd):
             if fd is not None:
                 try:
@@ -280,6 +272,10 @@ class Sandbox:
 
     def _fail(self) -> None:
         """Kill the process after a failure, keeping its exit status for the message."""
+        self._kill()
+
+    def _kill(self) -> None:
+        """SIGKILL the sandbox's process group and reap it."""
         if self._proc is not None:
             try:
                 os.killpg(self._proc.pid, signal.SIGKILL)

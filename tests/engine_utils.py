@@ -38,6 +38,16 @@ def tiny_model(
     return model.eval()
 
 
+def spread_out(model: Transformer, seed: int = 0, std: float = 0.15) -> Transformer:
+    """Redraw the weights larger than the training init, so logits are spread out (no near-ties)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if "norm" in name and name.endswith("weight") else std * noise)
+    return model.eval()
+
+
 def random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0, shared: int = 0) -> list[list[int]]:
     """n random prompts of lo..hi tokens; with shared > 0, every other prompt starts with one shared prefix."""
     g = torch.Generator().manual_seed(seed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_utils import spread_out
 from hf_models import KINDS, VOCAB, save_tiny_hf_model
 
 from nanolab.generate import generate
@@ -25,16 +26,6 @@ class CharTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return "".join(ALPHABET[i] if i < len(ALPHABET) else "?" for i in ids)
-
-
-def spread_out(model: Transformer, seed: int = 0, std: float = 0.15) -> Transformer:
-    """Redraw the weights larger than the training init, so logits are spread out (no near-ties)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name and name.endswith("weight") else std * noise)
-    return model.eval()
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from engine_utils import spread_out
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,16 +23,6 @@ CONFIGS = {
     "llama_mqa": ModelConfig(arch="llama", vocab_size=80, n_layers=3, n_heads=4, n_kv_heads=1, d_model=32, d_ff=48,
                              max_seq_len=48, rope_theta=500.0),
 }  # fmt: skip
-
-
-def spread_out(model: Transformer, seed: int = 0, std: float = 0.15) -> Transformer:
-    """Redraw the weights larger than the training init, so logits are spread out (no near-ties)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name and name.endswith("weight") else std * noise)
-    return model.eval()
 
 
 @pytest.fixture(params=sorted(CONFIGS))
