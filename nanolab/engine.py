@@ -199,8 +199,12 @@ class Engine:
     # -- the step -----------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns an output for every request that produced a token or finished."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one engine step; returns an output for every request that produced a token or finished.
+
+        With ``finished_only`` it returns outputs for the requests that finished in this step only
+        (what offline generation needs; it skips building a streaming delta for every running request).
+        """
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if not out:
@@ -214,7 +218,7 @@ class Engine:
         for s in batch:
             r, n = s.request, s.num_new_tokens
             seqs.append(SeqSlice(r.block_table, r.num_computed_tokens, n))
-            ids += r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + n]
+            ids += r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n)
             row += n
             if r.num_computed_tokens + n == r.num_tokens:  # every token is computed: sample from the last row
                 sample_rows.append(row - 1)
@@ -244,7 +248,8 @@ class Engine:
                 self._finish(r, reason)
             elif id(r) in prefilled:
                 self.kv.cache_computed(r)  # share the prompt with requests admitted from now on
-            outputs.append(RequestOutput.of(r, has_text))
+            if not finished_only or r.is_finished:
+                outputs.append(RequestOutput.of(r, has_text))
 
         st = self.stats_
         st.steps += 1

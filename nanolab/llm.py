@@ -117,8 +117,8 @@ class LLM:
         wanted = set(ids)
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
             while len(done) < len(ids):
-                for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
+                for out in self.engine.step(finished_only=True):
+                    if out.request_id in wanted:
                         done[out.request_id] = out
                         bar.update(1)
         return [done[i] for i in ids]

@@ -90,6 +90,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole list (the engine calls it every step)."""
+        P = len(self.prompt_token_ids)
+        if start >= P:
+            return self.output_token_ids[start - P : end - P]
+        if end <= P:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - P]
+
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED

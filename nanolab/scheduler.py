@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from nanolab.kv_manager import KVCacheManager
 from nanolab.request import Request, RequestStatus
@@ -52,8 +52,7 @@ class SchedulerConfig:
             raise ValueError(f"aging_steps must be >= 1, got {self.aging_steps}")
 
 
-@dataclass(frozen=True)
-class ScheduledRequest:
+class ScheduledRequest(NamedTuple):  # a NamedTuple: one is built per request per step, so cheap matters
     request: Request
     num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on
 
@@ -184,7 +183,7 @@ class Scheduler:
         for req in decodes + prefills:
             if budget == 0:
                 break
-            if req not in self.running:  # preempted earlier in this step
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
             num_new = min(req.remaining_prefill(), budget)
             if not self._make_room(req, num_new, scheduled, out):
