@@ -124,7 +124,14 @@ class Engine:
         self.stats_ = EngineStats()
         # Set to a list to record (requests, tokens, forward seconds, step seconds) for every step.
         self.step_log: list[tuple[int, int, float, float]] | None = None
-        self._special_ids = set(getattr(tokenizer, "special_tokens", {}).values()) if tokenizer else set()
+        # Each token's bytes, looked up once here rather than decoded for every generated token;
+        # special tokens (end-of-text, ...) add no text.
+        self._token_bytes: list[bytes | None] | None = None
+        if tokenizer is not None:
+            special = set(getattr(tokenizer, "special_tokens", {}).values())
+            self._token_bytes = [
+                None if i in special else tokenizer.decode_bytes([i]) for i in range(tokenizer.vocab_size)
+            ]
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None) if tokenizer else None
 
     # -- requests -----------------------------------------------------------------------------------
@@ -265,10 +272,8 @@ class Engine:
         return outputs
 
     def _append(self, r: Request, tok: int) -> None:
-        data = None
-        if self.tokenizer is not None and tok not in self._special_ids:
-            data = self.tokenizer.decode_bytes([tok])
-        r.append_token(tok, data)
+        table = self._token_bytes
+        r.append_token(tok, table[tok] if table is not None and tok < len(table) else None)
 
     def _stop_reason(self, r: Request, tok: int) -> FinishReason | None:
         p = r.sampling_params
