@@ -159,7 +159,9 @@ class Engine:
         rid = str(next(self._ids)) if request_id is None else request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        req = Request(rid, ids, params, prompt=text or prompt_text, priority=priority)
+        req = Request(
+            rid, ids, params, prompt=text or prompt_text, priority=priority, token_bytes=self._token_bytes
+        )
         self.requests[rid] = req
         self.scheduler.add(req)
         return req
@@ -220,16 +222,17 @@ class Engine:
             raise RuntimeError("the scheduler admitted nothing although no request is running")
         batch = out.scheduled
         seqs, ids = [], []
-        sample_rows, to_sample = [], []
+        sample_rows, to_sample, prefilled = [], [], []
         row = 0
-        for s in batch:
-            r, n = s.request, s.num_new_tokens
-            seqs.append(SeqSlice(r.block_table, r.num_computed_tokens, n))
-            ids += r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n)
+        for r, n in batch:
+            start = r.num_computed_tokens
+            seqs.append(SeqSlice(r.block_table, start, n))
+            ids += r.token_slice(start, start + n)
             row += n
-            if r.num_computed_tokens + n == r.num_tokens:  # every token is computed: sample from the last row
+            if start + n == r.num_tokens:  # every token is computed: sample from the last row
                 sample_rows.append(row - 1)
                 to_sample.append(r)
+                prefilled.append(n > 1)  # this step computed (the end of) a prompt, not a decode
         positions = self.cache.prepare(seqs)
         t1 = time.perf_counter()
         hidden = self.model(torch.tensor(ids, dtype=torch.long), positions, self.cache)
@@ -240,22 +243,21 @@ class Engine:
             gens = [r.generator for r in to_sample]
             next_ids = sample(logits, [r.sampling_params for r in to_sample], gens).tolist()
 
-        prefilled = {id(s.request) for s in batch if not s.is_decode}
-        for s in batch:
-            s.request.num_computed_tokens += s.num_new_tokens
+        for r, n in batch:
+            r.num_computed_tokens += n
         now = time.monotonic()
         outputs = []
         has_text = self.tokenizer is not None
-        for r, tok in zip(to_sample, next_ids):
+        for r, tok, was_prefill in zip(to_sample, next_ids, prefilled):
             if r.first_token_time is None:
                 r.first_token_time = now
-            self._append(r, tok)
+            r.output_token_ids.append(tok)
             reason = self._stop_reason(r, tok)
             if reason is not None:
                 self._finish(r, reason)
-            elif id(r) in prefilled:
+            elif was_prefill:
                 self.kv.cache_computed(r)  # share the prompt with requests admitted from now on
-            if not finished_only or r.is_finished:
+            if reason is not None or not finished_only:
                 outputs.append(RequestOutput.of(r, has_text))
 
         st = self.stats_
@@ -270,10 +272,6 @@ class Engine:
             self.step_log.append((len(batch), out.num_tokens, t2 - t1, step_time))
         st.peak_kv_usage = max(st.peak_kv_usage, self.kv.usage())
         return outputs
-
-    def _append(self, r: Request, tok: int) -> None:
-        table = self._token_bytes
-        r.append_token(tok, table[tok] if table is not None and tok < len(table) else None)
 
     def _stop_reason(self, r: Request, tok: int) -> FinishReason | None:
         p = r.sampling_params

@@ -13,8 +13,9 @@ prefill call per prefill chunk (which attends over the request's cached prefix t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -22,8 +23,7 @@ from nanolab.attention import paged_decode_attention, paged_prefill_attention, w
 from nanolab.model import ModelConfig
 
 
-@dataclass(frozen=True)
-class SeqSlice:
+class SeqSlice(NamedTuple):  # a NamedTuple: the engine builds one per request per step
     """One request's new tokens in the flattened batch."""
 
     block_table: list[int]
@@ -68,38 +68,49 @@ class PagedKVCache:
     def prepare(self, seqs: list[SeqSlice]) -> torch.Tensor:
         """Lay out the next forward's batch; returns the positions (T,) of its new tokens.
 
-        One-token sequences must come first: they form the decode group.
+        One-token sequences must come first: they form the decode group. This runs once per engine
+        step for every running request, so the decode group (most of a busy batch) is laid out with a
+        few list comprehensions and one NumPy conversion per array rather than per-token Python work.
         """
         B = self.block_size
-        slots: list[int] = []
-        positions: list[int] = []
-        decodes = [s for s in seqs if s.num_new == 1]
-        n_dec = len(decodes)
-        if seqs[:n_dec] != decodes:
-            raise ValueError("prepare() needs the one-token (decode) sequences first")
+        n_dec = 0
         for s in seqs:
-            end = s.start_pos + s.num_new
-            if len(s.block_table) * B < end:
+            if s.num_new != 1:
+                break
+            n_dec += 1
+        decodes, chunks = seqs[:n_dec], seqs[n_dec:]
+        if any(s.num_new == 1 for s in chunks):
+            raise ValueError("prepare() needs the one-token (decode) sequences first")
+        for s in seqs:  # what the comprehensions below would index past, with a message that says why
+            if len(s.block_table) * B < s.start_pos + s.num_new:
                 raise ValueError(
-                    f"a sequence needs {end} slots but its block table has {len(s.block_table)} blocks"
+                    f"a sequence needs {s.start_pos + s.num_new} slots but its block table has "
+                    f"{len(s.block_table)} blocks"
                 )
-            slots += slot_mapping(s.block_table, s.start_pos, end, B)
-            positions += range(s.start_pos, end)
-        self._slots = torch.tensor(slots, dtype=torch.long)
+        positions = [s.start_pos for s in decodes]
+        slots = [table[p // B] * B + p % B for table, p, _ in decodes]
+        for table, start, n in chunks:
+            slots += slot_mapping(table, start, start + n, B)
+            positions += range(start, start + n)
+        self._slots = torch.from_numpy(np.array(slots, dtype=np.int64))
         self._num_decodes = n_dec
         if n_dec:
             width = max(len(s.block_table) for s in decodes)
-            tables = [s.block_table + [0] * (width - len(s.block_table)) for s in decodes]
-            self._dec_tables = torch.tensor(tables, dtype=torch.int32)  # (n_dec, width)
-            self._dec_lens = torch.tensor([s.start_pos + 1 for s in decodes], dtype=torch.int32)
+            pad = [0] * width
+            flat: list[int] = []
+            for s in decodes:
+                flat += s.block_table
+                flat += pad[len(s.block_table) :]
+            self._dec_tables = torch.from_numpy(np.array(flat, dtype=np.int32).reshape(n_dec, width))
+            self._dec_lens = torch.from_numpy(np.array(positions[:n_dec], dtype=np.int32) + 1)
         # Prefill chunks: (first row, last row, block table, context length, starts at 0?)
         self._prefills = []
         row = n_dec
-        for s in seqs[n_dec:]:
-            table = torch.tensor(s.block_table, dtype=torch.int32)
-            self._prefills.append((row, row + s.num_new, table, s.start_pos + s.num_new, s.start_pos == 0))
-            row += s.num_new
-        return torch.tensor(positions, dtype=torch.long)
+        for table, start, n in chunks:
+            t = torch.tensor(table, dtype=torch.int32)
+            self._prefills.append((row, row + n, t, start + n, start == 0))
+            row += n
+        return torch.from_numpy(np.array(positions, dtype=np.int64))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.k[layer], self.v[layer]

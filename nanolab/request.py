@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import codecs
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -69,7 +70,11 @@ class Request:
     finish_time: float | None = None
     generator: torch.Generator | None = None
 
-    output_text: str = ""
+    # Each token id's bytes (None: a special token, no text), shared by every request of an engine;
+    # None when the engine has no tokenizer. `output_text` decodes through it.
+    token_bytes: Sequence[bytes | None] | None = None
+    _text: str = ""  # output_token_ids[:_num_decoded], decoded
+    _num_decoded: int = 0
     _decoder: Any = None  # incremental UTF-8 decoder over the output bytes
     _emitted_text: int = 0  # output_text characters already handed out by the stream
     _emitted_tokens: int = 0
@@ -112,10 +117,27 @@ class Request:
         """Tokens still to compute before the request samples again (1 for a decode step)."""
         return self.num_tokens - self.num_computed_tokens
 
-    def append_token(self, token_id: int, token_bytes: bytes | None) -> None:
-        self.output_token_ids.append(token_id)
-        if token_bytes is not None:
-            self.output_text += self._decoder.decode(token_bytes)
+    @property
+    def output_text(self) -> str:
+        """The output so far as text; an incomplete UTF-8 character at the end waits for its next bytes.
+
+        Decoded on demand — when a stop string is checked or an output is built — rather than at every
+        generated token: offline generation without stop strings decodes each request once, at the end.
+        Feeding the incremental decoder many tokens' bytes at once gives the same text as one at a time.
+        """
+        table = self.token_bytes
+        if table is not None and self._num_decoded < len(self.output_token_ids):
+            new = self.output_token_ids[self._num_decoded :]
+            data = b"".join(b for t in new if t < len(table) and (b := table[t]) is not None)
+            self._text += self._decoder.decode(data)
+            self._num_decoded += len(new)
+        return self._text
+
+    @output_text.setter
+    def output_text(self, text: str) -> None:
+        """Replace the text of every token generated so far (used to cut the output at a stop string)."""
+        self._num_decoded = len(self.output_token_ids)
+        self._text = text
 
 
 @dataclass(frozen=True)

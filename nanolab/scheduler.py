@@ -153,12 +153,13 @@ class Scheduler:
         self.waiting.append(victim)
         out.preempted.append(victim)
 
-    def _make_room(self, req: Request, num_new: int, scheduled: set[int], out: SchedulerOutput) -> bool:
+    def _make_room(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Grow ``req`` by ``num_new`` tokens, preempting less important unscheduled requests if needed.
 
         Returns False (and preempts ``req`` itself) when no such victim is left.
         """
         while not self.kv.grow(req, num_new):
+            scheduled = {id(s.request) for s in out.scheduled}
             candidates = [r for r in self.running if id(r) not in scheduled and r is not req]
             victim = max(candidates, key=self._importance, default=None)
             if victim is None or self._importance(victim) < self._importance(req):
@@ -174,21 +175,18 @@ class Scheduler:
         cfg = self.config
         out = SchedulerOutput()
         budget = cfg.max_num_batched_tokens
-        scheduled: set[int] = set()
 
-        # 1. decodes, then 2. chunks of running prefills; most important first in each group.
-        by_importance = sorted(self.running, key=self._importance)
-        decodes = [r for r in by_importance if not r.is_prefilling]
-        prefills = [r for r in by_importance if r.is_prefilling]
-        for req in decodes + prefills:
+        # 1. decodes (one token left to compute), then 2. chunks of running prefills; most important
+        # first in each group.
+        todo = [(r, r.remaining_prefill()) for r in sorted(self.running, key=self._importance)]
+        for req, remaining in [x for x in todo if x[1] == 1] + [x for x in todo if x[1] > 1]:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
-            num_new = min(req.remaining_prefill(), budget)
-            if not self._make_room(req, num_new, scheduled, out):
+            num_new = min(remaining, budget)
+            if not self._make_room(req, num_new, out):
                 continue
-            scheduled.add(id(req))
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
 
@@ -206,7 +204,6 @@ class Scheduler:
             self._admissions += 1
             req.admitted_seq = self._admissions
             self.running.append(req)
-            scheduled.add(id(req))
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
 
