@@ -12,7 +12,19 @@ from nanolab.sampling import SamplingParams
 
 # Token bytes that cut multi-byte characters apart ("é" is c3 a9, "€" is e2 82 ac, "😀" is f0 9f 98 80),
 # invalid bytes (ff, a lone continuation byte 80), plain ASCII, and a special token with no text (None).
-TABLE = [b"a", b"\xc3", b"\xa9", b"\xe2\x82", b"\xac", b"\xf0\x9f", b"\x98\x80", b"\xff", b"\x80", b" x", None]
+TABLE = [
+    b"a",
+    b"\xc3",
+    b"\xa9",
+    b"\xe2\x82",
+    b"\xac",
+    b"\xf0\x9f",
+    b"\x98\x80",
+    b"\xff",
+    b"\x80",
+    b" x",
+    None,
+]
 TOKENS = st.lists(st.integers(0, len(TABLE)), max_size=40)  # len(TABLE): an id past the table, no text
 
 
