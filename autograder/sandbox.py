@@ -207,7 +207,7 @@ class Sandbox:
         try:
             codec.write_message(self._wfd, message)
         except OSError:
-            self._fail()
+            self._kill()
             raise SandboxFailure(f"the submission's process died ({self._exit_reason()})") from None
         return self._receive(timeout, "answering a call", expect_id=self._next_id)
 
@@ -232,16 +232,16 @@ class Sandbox:
                 str(error.get("traceback", "")),
             )
         except TimeoutError:
-            self._fail()
+            self._kill()
             raise SandboxFailure(f"no answer within {timeout:g} s while {doing} (time limit)") from None
         except EOFError:
             self._settle()
-            self._fail()
+            self._kill()
             raise SandboxFailure(
                 f"the submission's process died while {doing} ({self._exit_reason()})"
             ) from None
         except codec.CodecError as e:
-            self._fail()
+            self._kill()
             raise SandboxFailure(
                 f"the submission's process sent an unreadable reply while {doing}: {e}"
             ) from None
@@ -270,12 +270,9 @@ class Sandbox:
             except subprocess.TimeoutExpired:
                 pass
 
-    def _fail(self) -> None:
-        """Kill the process after a failure, keeping its exit status for the message."""
-        self._kill()
-
     def _kill(self) -> None:
-        """SIGKILL the sandbox's process group and reap it."""
+        """SIGKILL the sandbox's process group and reap it (after a failure its exit status stays readable
+        for the message)."""
         if self._proc is not None:
             try:
                 os.killpg(self._proc.pid, signal.SIGKILL)

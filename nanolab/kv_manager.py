@@ -90,10 +90,8 @@ class KVCacheManager:
     def grow(self, req: Request, num_new_tokens: int) -> bool:
         """Make room for a running request's next ``num_new_tokens`` tokens. False if blocks ran out."""
         if req.num_computed_tokens + num_new_tokens <= len(req.block_table) * self.block_size:
-            return True  # the common case (a decode inside its last block), answered first
+            return True  # its blocks already have room (most decode steps)
         needed = self.num_blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.block_table)
-        if needed <= 0:
-            return True
         if not self._reserve(needed):
             return False
         req.block_table += self.allocator.allocate(needed)

@@ -88,7 +88,7 @@ class PagedKVCache:
                     f"{len(s.block_table)} blocks"
                 )
         positions = [s.start_pos for s in decodes]
-        slots = [table[p // B] * B + p % B for table, p, _ in decodes]
+        slots = [table[p // B] * B + p % B for table, p, _ in decodes]  # slot_mapping of one position, inline
         for table, start, n in chunks:
             slots += slot_mapping(table, start, start + n, B)
             positions += range(start, start + n)

@@ -56,10 +56,6 @@ class ScheduledRequest(NamedTuple):  # a NamedTuple: one is built per request pe
     request: Request
     num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on
 
-    @property
-    def is_decode(self) -> bool:
-        return self.num_new_tokens == 1 and self.request.remaining_prefill() == 1
-
 
 @dataclass
 class SchedulerOutput:

@@ -18,6 +18,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from grading_utils import STUB, Batch
+from grading_utils import cell as _cell
+from grading_utils import edit as _edit
+from grading_utils import sub as _sub
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,31 +35,10 @@ from autograder.sandbox import Limits, Sandbox
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "lab01_tokenizer.ipynb"
 LAB = ROOT / "labs" / "lab01_tokenizer.ipynb"
-STUB = "raise NotImplementedError()"
 GRADED = ("pair-counts", "merge", "train-merges", "bpe-encode", "tokenizer")
 LIMITS = Limits(call_timeout_s=3, load_timeout_s=6, cpu_s=120, memory_mb=512, notebook_s=40)
 
 # ---------------------------------------------------------------------------------------------- fixtures
-
-
-def _cell(nb: dict, grade_id: str) -> dict:
-    return next(
-        c for c in nb["cells"] if c.get("metadata", {}).get("nbgrader", {}).get("grade_id") == grade_id
-    )
-
-
-def _edit(nb: dict, grade_id: str, change) -> None:
-    cell = _cell(nb, grade_id)
-    old = "".join(cell["source"])
-    new = change(old)
-    assert new != old, (
-        f"the fixture edit of {grade_id!r} changed nothing: the notebook changed, update the test"
-    )
-    cell["source"] = new
-
-
-def _sub(nb: dict, grade_id: str, old: str, new: str) -> None:
-    _edit(nb, grade_id, lambda src: src.replace(old, new))
 
 
 def _prepend(nb: dict, grade_id: str, code: str) -> None:
@@ -267,26 +250,9 @@ def _digest(path: Path) -> str:
 def batch(tmp_path_factory):
     """Grade every fixture notebook in one batch; returns (results by name, tests copy, digests before)."""
     base = tmp_path_factory.mktemp("grading")
-    tests_copy = base / "hidden"
-    shutil.copytree(DEFAULT_TESTS_DIR, tests_copy, ignore=shutil.ignore_patterns("__pycache__"))
-    notebooks: dict[str, Path] = {}
-
-    def save(name: str, nb: dict) -> None:
-        path = base / f"{name}.ipynb"
-        path.write_text(json.dumps(nb))
-        notebooks[name] = path
-
-    solution, lab = json.loads(SOLUTION.read_text()), json.loads(LAB.read_text())
-    save("solution", solution)
-    save("blank", lab)
-    for name, (cell, old, new, _) in PLANTED_BUGS.items():
-        nb = json.loads(SOLUTION.read_text())
-        _sub(nb, cell, old, new)
-        save(f"bug_{name}", nb)
-    for name, tamper in _tampered(tests_copy).items():
-        nb = json.loads(LAB.read_text())
-        tamper(nb)
-        save(f"tamper_{name}", nb)
+    fixtures = Batch(base)
+    tests_copy, notebooks, save = fixtures.tests_copy, fixtures.notebooks, fixtures.save
+    fixtures.add_standard(SOLUTION, LAB, PLANTED_BUGS, _tampered(tests_copy))
     (base / "not_json.ipynb").write_text("this is not a notebook {")
     notebooks["not_json"] = base / "not_json.ipynb"
     nb = json.loads(SOLUTION.read_text())
@@ -299,11 +265,9 @@ def batch(tmp_path_factory):
 
     before = {name: _digest(path) for name, path in notebooks.items() if path.exists()}
     hidden_before = {p.name: _digest(p) for p in tests_copy.glob("*.py")}
-    options = GradeOptions(tests_dir=tests_copy, limits=LIMITS, max_restarts=2)
-    names = list(notebooks)
-    results = grade([notebooks[n] for n in names], options, jobs=2, progress=False)
+    results = fixtures.grade(LIMITS)
     return {
-        "results": dict(zip(names, results)),
+        "results": results,
         "notebooks": notebooks,
         "before": before,
         "tests_copy": tests_copy,

@@ -9,33 +9,18 @@ bundled model in the grader with the learner's cache in the sandbox.
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
+from grading_utils import STUB, Batch
+from grading_utils import sub as _sub
 
-from autograder.grade import DEFAULT_TESTS_DIR, GradeOptions, grade
 from autograder.sandbox import Limits
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "lab02_attention_kv_cache.ipynb"
 LAB = ROOT / "labs" / "lab02_attention_kv_cache.ipynb"
-STUB = "raise NotImplementedError()"
 LIMITS = Limits(call_timeout_s=20, load_timeout_s=30, cpu_s=300, notebook_s=240)
-
-
-def _cell(nb: dict, grade_id: str) -> dict:
-    return next(
-        c for c in nb["cells"] if c.get("metadata", {}).get("nbgrader", {}).get("grade_id") == grade_id
-    )
-
-
-def _sub(nb: dict, grade_id: str, old: str, new: str, count: int = -1) -> None:
-    cell = _cell(nb, grade_id)
-    source = "".join(cell["source"])
-    assert old in source, f"the fixture edit of {grade_id!r} found nothing to change: update the test"
-    cell["source"] = source.replace(old, new, count)
 
 
 PLANTED_BUGS = {
@@ -143,29 +128,9 @@ TAMPERED = {
 
 @pytest.fixture(scope="module")
 def batch(tmp_path_factory):
-    base = tmp_path_factory.mktemp("grading_lab02")
-    tests_copy = base / "hidden"
-    shutil.copytree(DEFAULT_TESTS_DIR, tests_copy, ignore=shutil.ignore_patterns("__pycache__"))
-    notebooks: dict[str, Path] = {}
-
-    def save(name: str, nb: dict) -> None:
-        notebooks[name] = base / f"{name}.ipynb"
-        notebooks[name].write_text(json.dumps(nb))
-
-    save("solution", json.loads(SOLUTION.read_text()))
-    save("blank", json.loads(LAB.read_text()))
-    for name, (cell, old, new, _) in PLANTED_BUGS.items():
-        nb = json.loads(SOLUTION.read_text())
-        _sub(nb, cell, old, new)
-        save(f"bug_{name}", nb)
-    for name, tamper in TAMPERED.items():
-        nb = json.loads(LAB.read_text())
-        tamper(nb)
-        save(f"tamper_{name}", nb)
-    names = list(notebooks)
-    options = GradeOptions(tests_dir=tests_copy, limits=LIMITS, max_restarts=2)
-    results = grade([notebooks[n] for n in names], options, jobs=2, progress=False)
-    return dict(zip(names, results))
+    fixtures = Batch(tmp_path_factory.mktemp("grading_lab02"))
+    fixtures.add_standard(SOLUTION, LAB, PLANTED_BUGS, TAMPERED)
+    return fixtures.grade(LIMITS)
 
 
 def test_solution_scores_full_marks(batch):

@@ -1,0 +1,77 @@
+"""Building fixture notebooks for the grading tests: edits of solutions/ and labs/, graded in one batch."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from autograder.grade import DEFAULT_TESTS_DIR, GradeOptions, grade
+from autograder.results import SubmissionResult
+from autograder.sandbox import Limits
+
+STUB = "raise NotImplementedError()"
+
+
+def cell(nb: dict, grade_id: str) -> dict:
+    """The notebook cell with this nbgrader grade_id."""
+    return next(
+        c for c in nb["cells"] if c.get("metadata", {}).get("nbgrader", {}).get("grade_id") == grade_id
+    )
+
+
+def edit(nb: dict, grade_id: str, change: Callable[[str], str]) -> None:
+    """Replace a cell's source by ``change(source)``; an edit that changes nothing fails the test."""
+    c = cell(nb, grade_id)
+    old = "".join(c["source"])
+    new = change(old)
+    assert new != old, (
+        f"the fixture edit of {grade_id!r} changed nothing: the notebook changed, update the test"
+    )
+    c["source"] = new
+
+
+def sub(nb: dict, grade_id: str, old: str, new: str, count: int = -1) -> None:
+    """Replace ``old`` by ``new`` in a cell (the first ``count`` times; all when -1)."""
+    edit(nb, grade_id, lambda src: src.replace(old, new, count))
+
+
+class Batch:
+    """Fixture notebooks written under ``base``, graded together against a copy of the hidden tests."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.tests_copy = base / "hidden"
+        shutil.copytree(DEFAULT_TESTS_DIR, self.tests_copy, ignore=shutil.ignore_patterns("__pycache__"))
+        self.notebooks: dict[str, Path] = {}
+
+    def save(self, name: str, nb: dict) -> None:
+        self.notebooks[name] = self.base / f"{name}.ipynb"
+        self.notebooks[name].write_text(json.dumps(nb))
+
+    def add_standard(
+        self,
+        solution: Path,
+        lab: Path,
+        planted_bugs: dict[str, tuple[str, str, str, str]],
+        tampered: dict[str, Callable[[dict], None]],
+    ) -> None:
+        """The solution, the blank lab, the solution with each planted bug (cell, old, new, catching test)
+        and the lab with each tampering."""
+        self.save("solution", json.loads(solution.read_text()))
+        self.save("blank", json.loads(lab.read_text()))
+        for name, (grade_id, old, new, _) in planted_bugs.items():
+            nb = json.loads(solution.read_text())
+            sub(nb, grade_id, old, new)
+            self.save(f"bug_{name}", nb)
+        for name, tamper in tampered.items():
+            nb = json.loads(lab.read_text())
+            tamper(nb)
+            self.save(f"tamper_{name}", nb)
+
+    def grade(self, limits: Limits) -> dict[str, SubmissionResult]:
+        names = list(self.notebooks)
+        options = GradeOptions(tests_dir=self.tests_copy, limits=limits, max_restarts=2)
+        results = grade([self.notebooks[n] for n in names], options, jobs=2, progress=False)
+        return dict(zip(names, results))
