@@ -22,9 +22,14 @@ $(STAMP): $(BUILD_INPUTS)
 ## setup: create .venv and install nanolab editable (C++ kernel built) with the dev tools
 setup: $(STAMP)
 
+# Extra JupyterLab options, e.g. `make lab LAB_ARGS="--no-browser --port 8890"`. As root (containers),
+# JupyterLab refuses to start without --allow-root, so it is added there.
+LAB_ARGS ?=
+ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)
+
 ## lab: set up, then open the labs in JupyterLab
 lab: setup
-	$(VENV)/bin/jupyter lab labs/
+	$(VENV)/bin/jupyter lab $(ROOT_ARGS) $(LAB_ARGS) labs/
 
 ## test: set up, then run the whole test suite
 test: setup
