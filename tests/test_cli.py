@@ -62,3 +62,14 @@ def test_bench_prints_throughput_and_latency(checkpoint):
     assert res.returncode == 0, res.stderr
     for needle in ("requests: 6", "output tokens/s", "TTFT", "TPOT", "mean batch size"):
         assert needle in res.stdout
+
+
+def test_generate_into_a_closed_pipe_stops_without_a_traceback(checkpoint):
+    """`nanolab generate ... | head -c 1`: the reader leaves early; no traceback, the status of a broken pipe."""
+    cmd = [sys.executable, "-m", "nanolab.cli", "generate", "def f", "--model", str(checkpoint)]
+    proc = subprocess.Popen([*cmd, "--max-tokens", "200"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(1)
+    proc.stdout.close()  # the reader is gone: the next write gets EPIPE
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
