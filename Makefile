@@ -9,7 +9,7 @@ STAMP := $(VENV)/.nanolab-installed
 LINT_DIRS := $(wildcard nanolab tests bench scripts autograder)
 BUILD_INPUTS := pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/CMakeLists.txt)
 
-.PHONY: setup lab test lint bench labs solutions check-notebooks clean
+.PHONY: setup lab test lint bench labs solutions check-notebooks mutants clean
 
 $(STAMP): $(BUILD_INPUTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,15 @@ solutions: setup
 ## check-notebooks: fail if labs/ is out of date with solutions/ or a notebook in git carries outputs
 check-notebooks: setup
 	$(PY) scripts/check_notebooks.py
+
+# The lab whose tests `make mutants` measures, and extra options for scripts/mutants.py
+# (e.g. MUTANTS_ARGS="--jobs 1 --json build/mutants/lab01.json").
+LAB ?= 1
+MUTANTS_ARGS ?=
+
+## mutants: measure a lab's tests: how many of its planted learner bugs the hidden tests and the visible checks catch
+mutants: setup
+	$(PY) scripts/mutants.py --lab $(LAB) $(MUTANTS_ARGS)
 
 ## bench: run every benchmark in bench/ (prints ratios against baselines measured in the same run)
 bench: setup
