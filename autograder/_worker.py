@@ -15,6 +15,8 @@ Requests (one JSON object each, see `autograder.codec` for framing and values)::
     {"op": "load", "cells": [{"id": ..., "source": ...}], "graded": {...}}   run the cells
     {"op": "get", "target": handle or null, "name": str}                    an attribute / global
     {"op": "call", "target": handle, "args": [...], "kwargs": {...}}         call a handle
+    {"op": "hold", "value": ...}                                            keep a copy, answer a handle
+    {"op": "value", "target": handle}                                       a handle's object as data
     {"op": "ping"}
 
 Replies: ``{"ok": true, "value": ..., "id": ...}`` or ``{"ok": false, "error": {"type", "message",
@@ -181,6 +183,10 @@ def serve(read_fd: int, write_fd: int) -> None:
                 value = worker.encode(worker.get(request.get("target"), request["name"]))
             elif op == "call":
                 value = worker.encode(worker.call(request["target"], request["args"], request["kwargs"]))
+            elif op == "hold":
+                value = worker.handle(worker.decode(request["value"]))
+            elif op == "value":
+                value = worker.encode(worker.decode(request["target"]))
             elif op == "ping":
                 value = "pong"
             else:

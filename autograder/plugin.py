@@ -7,6 +7,9 @@ Hidden tests are ordinary pytest functions that ask for two fixtures:
   data (a ``Tokenizer``) come back as `autograder.sandbox.Remote` handles whose methods are proxied.
   A graded name that the notebook does not define, that is not the learner's own code, or whose cell
   failed to run, raises `GradingProblem` with a message for the learner.
+  ``lab.hold(value)`` copies plain data into the sandbox and keeps it there; the handle it returns
+  reaches the learner's code as that object, and ``lab.peek(handle)`` reads it back afterwards, so a
+  test can check that a call leaves its input unchanged (arguments are otherwise copied both ways).
 - ``rng``: a `random.Random` seeded from the grading run's seed and the test's name, so inputs differ
   from run to run (reading the tests does not reveal them) but a run can be repeated with ``--seed``.
 
@@ -164,6 +167,14 @@ class Learner:
         if name.startswith("__"):
             raise AttributeError(name)
         return self._session.global_(name)
+
+    def hold(self, value: Any) -> Remote:
+        """``value`` (plain data) copied into the learner's process and kept there (see the module docstring)."""
+        return self._session.ready().hold(value)
+
+    def peek(self, held: Remote) -> Any:
+        """What the object behind ``held`` is now, as plain data."""
+        return self._session.ready().value(held)
 
     @contextmanager
     def time_limit(self, seconds: float) -> Iterator[None]:

@@ -183,6 +183,22 @@ class Sandbox:
         message["kwargs"] = self._encode(dict(kwargs))
         return self._request(message, timeout)
 
+    def hold(self, value: Any, timeout: float | None = None) -> Remote:
+        """A copy of ``value`` (plain data) made and kept in the sandbox, as a handle.
+
+        Passed to the submission's code, the handle arrives as that object itself, so `value` can
+        tell afterwards whether the call changed it.
+        """
+        held = self._request({"op": "hold", "value": self._encode(value)}, timeout)
+        if not isinstance(held, Remote):
+            self._kill()
+            raise SandboxFailure("the submission's process did not keep the object it was asked to hold")
+        return held
+
+    def value(self, target: Remote, timeout: float | None = None) -> Any:
+        """The object behind ``target`` sent back as plain data (as a handle if it is not data)."""
+        return self._request({"op": "value", "target": self._handle(target)}, timeout)
+
     def _handle(self, target: Remote | None) -> dict | None:
         if target is None:
             return None

@@ -572,6 +572,31 @@ def write_outside():
                     sb.get(None, "write_outside")()
 
 
+def test_sandbox_holds_data_for_the_submission_and_reads_back_what_it_did():
+    """A held object reaches the submission's code as itself (not a copy), so a test can see whether a
+    call changed its input; plain arguments are copied, and the grader's own value never changes."""
+    source = """
+def pop_last(items):
+    return items.pop()
+
+def bump(table):
+    table["n"] += 1
+"""
+    with Sandbox(
+        [{"id": "c", "source": source}], {"c": []}, Limits(call_timeout_s=5, load_timeout_s=10)
+    ) as sb:
+        sb.start()
+        mine = [1, 2, 3]
+        held = sb.hold(mine)
+        assert isinstance(held, Remote)
+        assert sb.get(None, "pop_last")(held) == 3
+        assert sb.value(held) == [1, 2] and mine == [1, 2, 3]
+        assert sb.get(None, "pop_last")(mine) == 3 and mine == [1, 2, 3]  # an argument is a copy
+        table = sb.hold({"n": 1})
+        sb.get(None, "bump")(table)
+        assert sb.value(table) == {"n": 2}
+
+
 def test_cli_grades_and_writes_every_format(tmp_path):
     bad = tmp_path / "bad.ipynb"
     bad.write_text("{}")

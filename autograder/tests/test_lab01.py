@@ -20,7 +20,7 @@ import tiktoken
 
 from autograder.plugin import expect
 from nanolab import bpe
-from nanolab.tokenizer import GPT4_PATTERN
+from nanolab.tokenizer import GPT2_PATTERN, GPT4_PATTERN
 from nanolab.tokenizer import Tokenizer as Reference
 
 ENDOFTEXT = "<|endoftext|>"
@@ -166,6 +166,18 @@ def test_merge_replaces_every_occurrence_left_to_right(lab, rng):
             raise AssertionError(f"merge({_short(ids)}, {pair}, {new_id}) is wrong{tail}")
 
 
+def test_merge_leaves_its_input_unchanged(lab, rng):
+    """Check that merge returns a new list and leaves the list it is given as it was."""
+    for _ in range(8):
+        ids = [rng.randrange(3) for _ in range(rng.randrange(2, 20))]
+        pair = (ids[0], ids[1])  # occurs at least once
+        held = lab.hold(ids)  # the list itself reaches merge, not a copy
+        lab.merge(held, pair, 300)
+        assert lab.peek(held) == ids, (
+            f"merge({_short(ids)}, {pair}, 300) changed the list it was given; build a new list instead"
+        )
+
+
 # ---------------------------------------------------------------------------------------------- training
 
 
@@ -229,7 +241,9 @@ def test_train_never_merges_across_regex_chunks(lab, rng):
     tok = lab.Tokenizer.train(text, 310)
     split = regex.compile(GPT4_PATTERN)
     reference_tokens = set(ranks_of(list(Reference.train(text, 310).merges)))
-    for token in ranks_of(merges_of(tok)):
+    merges = merges_of(tok)
+    assert len(merges) == 310 - 256, f"train(text, 310) should learn 54 merges, not {len(merges)}"
+    for token in ranks_of(merges):
         if token not in reference_tokens and len(split.findall(token.decode("utf-8", "replace"))) > 1:
             raise AssertionError(
                 f"your token {token.decode('utf-8', 'replace')!r} spans two regex chunks; split the text with "
@@ -238,7 +252,7 @@ def test_train_never_merges_across_regex_chunks(lab, rng):
 
 
 def test_vocab_size_counts_bytes_merges_and_special_tokens(lab, rng):
-    """Check that vocab_size = 256 + merges + special tokens, and that a too small vocab_size is refused."""
+    """Check that vocab_size = 256 + merges + special tokens, and that a vocab_size out of reach is refused."""
     text = word_text(rng, 150)
     size = rng.randint(270, 290)
     tok = lab.Tokenizer.train(text, size, "gpt4", [ENDOFTEXT])
@@ -250,6 +264,13 @@ def test_vocab_size_counts_bytes_merges_and_special_tokens(lab, rng):
         lab.Tokenizer.train(text, 200)
     assert "ValueError" in str(info.value), (
         "train(text, 200) should raise ValueError: 256 byte tokens do not fit"
+    )
+    short = " ".join(rng.sample(["ab", "cd", "ef", "gh"], 2))  # chunks "ab" and " cd": 3 merges at most
+    size = 256 + rng.randint(4, 12)
+    with pytest.raises(Exception) as info:
+        lab.Tokenizer.train(short, size)
+    assert "ValueError" in str(info.value), (
+        f"train({short!r}, {size}) should raise ValueError: the text runs out of pairs before vocab_size"
     )
 
 
@@ -310,18 +331,36 @@ def test_bpe_encode_matches_the_reference(lab, rng):
         "merge by the rank of the pair's *bytes*: two parts whose bytes together form a token merge, "
         "whichever merge made that token"
     )
+    # "bc" (256) was learned before "ab" (257): in "abc" the lowest rank merges first, wherever it is.
+    ranks = {bytes([i]): i for i in range(256)} | {bytes([b, c]): 256, bytes([a, b]): 257}
+    word = bytes([a, b, c])
+    assert lab.bpe_encode(word, ranks) == bpe.bpe_encode(word, ranks), (
+        f"bpe_encode({word!r}) with {bytes([b, c])!r} ranked before {bytes([a, b])!r} is wrong: the pair with "
+        "the lowest rank merges first, wherever it is in the piece"
+    )
+    # On equal ranks (the same pair twice, overlapping) the leftmost occurrence merges first.
+    ranks = {bytes([i]): i for i in range(256)} | {bytes([a, a]): 256}
+    word = bytes([c, a, a, a])
+    assert lab.bpe_encode(word, ranks) == bpe.bpe_encode(word, ranks), (
+        f"bpe_encode({word!r}) with the token {bytes([a, a])!r} is wrong: when two pairs have the same rank, "
+        "the leftmost merges first"
+    )
 
 
 @pytest.mark.points(2)
 def test_encode_agrees_with_tiktoken(lab, rng):
-    """Check that encode gives the same ids as tiktoken built from your own merges, on varied text."""
-    tok = lab.Tokenizer.train(source_text(rng, 3000) + unicode_text(rng, 600), 360)
-    encoding = tiktoken_from_merges(merges_of(tok), GPT4_PATTERN)
-    for _ in range(25):
-        text = varied_text(rng)
-        got = expect(tok.encode(text), list, "encode(text)")
-        if got != encoding.encode_ordinary(text):
-            raise AssertionError(f"encode({_short(text)}) differs from tiktoken with your merges")
+    """Check that encode gives the same ids as tiktoken built from your own merges, on varied text and with
+    both split patterns."""
+    for name, pattern in (("gpt4", GPT4_PATTERN), ("gpt2", GPT2_PATTERN)):
+        tok = lab.Tokenizer.train(source_text(rng, 3000) + unicode_text(rng, 600), 360, name)
+        encoding = tiktoken_from_merges(merges_of(tok), pattern)
+        for _ in range(15):
+            text = varied_text(rng)
+            got = expect(tok.encode(text), list, "encode(text)")
+            if got != encoding.encode_ordinary(text):
+                raise AssertionError(
+                    f"with pattern={name!r}, encode({_short(text)}) differs from tiktoken with your merges"
+                )
 
 
 def test_encode_keeps_a_chunk_that_is_a_token_whole(lab, rng):
@@ -356,6 +395,17 @@ def test_decode_bytes_returns_every_byte(lab, rng):
         ids = [rng.randrange(320) for _ in range(rng.randint(0, 30))]
         got = expect(tok.decode_bytes(ids), bytes, "decode_bytes(ids)")
         assert got == reference.decode_bytes(ids), f"decode_bytes({_short(ids)}) misses or changes some bytes"
+
+
+def test_decode_bytes_refuses_ids_out_of_range(lab, rng):
+    """Check that decode_bytes raises ValueError for an id below 0 or at least vocab_size."""
+    tok = lab.Tokenizer([], "gpt4", [ENDOFTEXT])  # ids 0..256
+    for bad in (-1, -rng.randint(2, 256), 257, rng.randint(258, 10_000)):
+        with pytest.raises(Exception) as info:
+            tok.decode_bytes([rng.randrange(256), bad])
+        assert "ValueError" in str(info.value), (
+            f"decode_bytes([..., {bad}]) with vocab_size 257 should raise ValueError: {bad} is not a token id"
+        )
 
 
 def test_decode_replaces_invalid_utf8(lab, rng):
