@@ -82,6 +82,12 @@ PLANTED_BUGS = {
         "if False:",
         "test_encode_keeps_a_chunk_that_is_a_token_whole",
     ),
+    "train_learns_no_merges": (
+        "tokenizer",
+        "return cls(merges, pattern, specials)",
+        "return cls([], pattern, specials)",
+        "test_train_never_merges_across_regex_chunks",
+    ),
     "trains_on_every_occurrence": (
         "train-merges",
         "words = [list(chunk) for chunk in word_counts if len(chunk) > 1]\n"

@@ -67,6 +67,18 @@ PLANTED_BUGS = {
         "before = probs.cumsum(dim=-1)",
         "test_top_p_keeps_the_reference_tokens",
     ),
+    "attention_returns_the_queries": (
+        "causal-attention",
+        "    T, n_heads, head_dim = q.shape\n",
+        "    return q.clone()\n",
+        "test_future_tokens_have_no_influence",
+    ),
+    "sample_ignores_the_logits": (
+        "sample",
+        "torch.multinomial(row.softmax(dim=-1), 1, generator=generator)",
+        "torch.randint(len(row), (1,), generator=generator)",
+        "test_seeded_sampling_is_reproducible_and_independent_of_the_batch",
+    ),
     "sample_ignores_the_generators": (
         "sample",
         "torch.multinomial(row.softmax(dim=-1), 1, generator=generator)",

@@ -15,12 +15,14 @@ import functools
 import math
 import os
 import sysconfig
+from collections.abc import Callable
 
 import pytest
 import torch
 
 import nanolab
 from autograder.plugin import expect
+from autograder.remote import RemoteError
 from nanolab.attention import dense_causal_attention
 from nanolab.kv_cache import ContiguousKVCache as ReferenceCache
 from nanolab.kv_cache import kv_cache_bytes
@@ -74,6 +76,19 @@ def _count(n: int, word: str, plural: str | None = None) -> str:
 
 def close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-4) -> bool:
     return bool(torch.allclose(got.double(), want.double(), atol=tol, rtol=tol))
+
+
+def expect_value_error(call: Callable[[], object], what: str) -> None:
+    """Fail with ``what``, and what happened instead, unless ``call()`` raises ValueError in the learner's code."""
+    try:
+        call()
+    except RemoteError as e:  # an exception of the learner's code
+        if "ValueError" in str(e):
+            return
+        happened = f"it raised {str(e)[:100]}"
+    else:
+        happened = "it raised nothing"
+    raise AssertionError(f"{what} ({happened})")
 
 
 def shape_of(lab, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, max_seq_len: int):
@@ -230,7 +245,8 @@ def test_causal_attention_matches_the_reference(lab, rng):
 
 
 def test_future_tokens_have_no_influence(lab, rng):
-    """Check that changing the keys, values or queries of later tokens never changes an earlier token's output."""
+    """Check that changing the keys, values or queries of later tokens never changes an earlier token's output,
+    and that each output is a weighted average of the values (the weights add up to 1)."""
     g = tensors(rng)
     for _ in range(6):
         T, nkv = rng.randint(2, 14), rng.choice([1, 2, 4])
@@ -253,6 +269,11 @@ def test_future_tokens_have_no_influence(lab, rng):
         )
         assert not close(out[i + 1 :], base[i + 1 :], 1e-3), (
             "changing the later tokens' queries, keys and values did not change their own outputs"
+        )
+        shifted = as_tensor(lab.causal_attention(q, k, v + 1), "causal_attention(q, k, v + 1)", (T, nh, hs))
+        assert close(shifted, base + 1, 1e-4), (
+            f"in a sequence of {T} tokens, adding 1 to every value did not add 1 to every output: each output "
+            "should be a weighted average of the values it may see, with weights that add up to 1"
         )
 
 
@@ -343,21 +364,17 @@ def test_cache_bookkeeping_and_errors(lab, rng):
         "a cache of max_seq_len=m should hold m tokens"
     )
     for bad in (max_len + 1, 0):
-        with pytest.raises(Exception) as info:  # the learner's exception arrives as a RemoteError
-            lab.ContiguousKVCache(shape, bad)
-        assert "ValueError" in str(info.value), (
-            f"ContiguousKVCache(config, {bad}) with config.max_seq_len={max_len} should raise ValueError"
+        expect_value_error(
+            lambda bad=bad: lab.ContiguousKVCache(shape, bad),
+            f"ContiguousKVCache(config, {bad}) with config.max_seq_len={max_len} should raise ValueError",
         )
     first = rng.randint(1, max_len - 3)
     cache.prepare(first)
-    with pytest.raises(Exception) as info:
-        cache.prepare(max_len - first + 1)
-    assert "ValueError" in str(info.value), (
-        f"prepare({max_len - first + 1}) with {first} of {max_len} tokens cached should raise ValueError"
+    expect_value_error(
+        lambda: cache.prepare(max_len - first + 1),
+        f"prepare({max_len - first + 1}) with {first} of {max_len} tokens cached should raise ValueError",
     )
-    with pytest.raises(Exception) as info:
-        cache.prepare(0)
-    assert "ValueError" in str(info.value), "prepare(0) should raise ValueError"
+    expect_value_error(lambda: cache.prepare(0), "prepare(0) should raise ValueError")
     cache.reset()
     assert cache.length == 0, "reset() should empty the cache"
     q, k, v = (
@@ -372,11 +389,30 @@ def test_cache_bookkeeping_and_errors(lab, rng):
         "after reset() attention should see only the new tokens, not the ones cached before"
     )
     cache.prepare(2)
-    with pytest.raises(Exception) as info:
-        cache.attend(0, q, k, v)
-    assert "ValueError" in str(info.value), (
-        "attend with 3 tokens after prepare(2) should raise ValueError (the forward does not match prepare)"
+    expect_value_error(
+        lambda: cache.attend(0, q, k, v),
+        "attend with 3 tokens after prepare(2) should raise ValueError (the forward does not match prepare)",
     )
+    full = lab.ContiguousKVCache(shape)
+    first = rng.randint(1, max_len - 1)
+    full.prepare(first)
+    positions = as_tensor(full.prepare(max_len - first), f"prepare({max_len - first})", floating=False)
+    assert positions.tolist() == list(range(first, max_len)), (
+        f"with {first} of {max_len} tokens cached, prepare({max_len - first}) fills the cache exactly: it should "
+        "succeed and return the last positions"
+    )
+    expect_value_error(
+        lambda: full.prepare(1), f"prepare(1) on a full cache of {max_len} should raise ValueError"
+    )
+    for dtype_name in ("bfloat16", "float16"):
+        small = lab.ContiguousKVCache(shape, max_len, getattr(lab.torch, dtype_name))
+        k_dtype = as_tensor(small.k, "cache.k").dtype
+        assert k_dtype == getattr(torch, dtype_name), (
+            f"ContiguousKVCache(config, dtype=torch.{dtype_name}) holds {k_dtype} keys: use the dtype it is given"
+        )
+        assert small.nbytes == kv_cache_bytes(reference, max_len, getattr(torch, dtype_name)), (
+            f"a {dtype_name} cache should take {getattr(torch, dtype_name).itemsize} bytes a number"
+        )
 
 
 @torch.inference_mode()
@@ -514,6 +550,46 @@ def _check_filtered(got, logits: torch.Tensor, want_kept: torch.Tensor, what: st
     assert bool((got[~kept] == -math.inf).all()), f"{what}: filtered tokens must be -inf (not 0 or NaN)"
 
 
+def test_filters_leave_their_input_unchanged(lab, rng):
+    """Check that apply_top_k, apply_top_p and filter_logits return the right new tensor and leave the logits
+    they are given as they were."""
+    g = tensors(rng)
+    top_p = None
+    while top_p is None:
+        V = rng.randint(10, 60)
+        row = 2 * torch.randn(V, generator=g)
+        top_p = _gap_top_p(rng, row.softmax(-1))
+    logits = torch.stack(
+        [row[torch.randperm(V, generator=g)] for _ in range(3)]
+    )  # one distribution, 3 orders
+    k = rng.randint(1, V - 1)
+    params = [
+        _params_of_kind(rng, kind, logits[b]) for b, kind in enumerate(("both", "greedy", "temperature"))
+    ]
+    want = {
+        "apply_top_k": filter_logits(logits, [SamplingParams(top_k=k)] * 3),
+        "apply_top_p": filter_logits(logits, [SamplingParams(top_p=top_p)] * 3),
+        "filter_logits": filter_logits(logits, params),
+    }
+    calls = {
+        "apply_top_k": lambda held: lab.apply_top_k(held, k),
+        "apply_top_p": lambda held: lab.apply_top_p(held, top_p),
+        "filter_logits": lambda held: lab.filter_logits(held, _learner_params(lab, params)),
+    }
+    for name, call in calls.items():
+        held = lab.hold(logits)  # the tensor itself reaches the learner's function, not a copy
+        got = as_tensor(call(held), f"{name}(...)", (3, V))
+        assert torch.equal(_kept(got), _kept(want[name])), f"{name} on (3, {V}) logits keeps the wrong tokens"
+        kept = _kept(got)
+        assert close(got[kept], want[name][kept], 1e-5), (
+            f"{name} on (3, {V}) logits changes the kept logits wrongly"
+        )
+        after = as_tensor(lab.peek(held), f"the logits given to {name}")
+        assert torch.equal(after, logits), (
+            f"{name} changed the logits it was given (3, {V}); return a new tensor instead of writing into them"
+        )
+
+
 def test_top_k_keeps_the_reference_tokens(lab, rng):
     """Check that apply_top_k keeps exactly the tokens the reference keeps: k=1, random k, k=V, k>V."""
     g = tensors(rng)
@@ -558,6 +634,12 @@ def test_top_p_keeps_the_reference_tokens(lab, rng):
         _check_filtered(lab.apply_top_p(logits, top_p), logits, _kept(want), what)
     logits = 2 * torch.randn(2, 50, generator=g)
     _check_filtered(lab.apply_top_p(logits, 1.0), logits, _kept(logits), "apply_top_p(logits, 1.0)")
+    peaked = torch.zeros(1, rng.randint(20, 200))
+    peaked[0, rng.randrange(peaked.shape[1])] = rng.uniform(
+        25, 35
+    )  # one token has nearly all the probability
+    what = "apply_top_p(logits, 1.0) on logits where one token has almost all the probability"
+    _check_filtered(lab.apply_top_p(peaked, 1.0), peaked, _kept(peaked), what)
     only_best = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, logits.argmax(-1, keepdim=True), True)
     _check_filtered(lab.apply_top_p(logits, 1e-6), logits, only_best, "apply_top_p(logits, 1e-6)")
     for _ in range(4):  # on logits that top-k already filtered: -inf entries have probability 0
@@ -574,8 +656,17 @@ def test_top_p_keeps_the_reference_tokens(lab, rng):
 
 
 def test_ties_keep_the_right_number_of_tokens(lab, rng):
-    """Check ties: top-k keeps exactly k tokens, top-p the reference's count, and never a lower-ranked one over a higher."""
+    """Check ties: top-k keeps exactly k tokens, top-p the reference's count (also when equal probabilities reach
+    top_p exactly), and never a lower-ranked one over a higher."""
     g = tensors(rng)
+    for V in (4, 8, 16):  # V equally likely tokens: m of them reach top_p = m / V exactly (no rounding)
+        m = rng.randint(1, V - 1)
+        got = as_tensor(lab.apply_top_p(torch.zeros(1, V), m / V), f"apply_top_p on {V} equal logits", (1, V))
+        assert int(_kept(got).sum()) == m, (
+            f"apply_top_p with {V} equally likely tokens and top_p={m}/{V} keeps {int(_kept(got).sum())} tokens, "
+            "which is not the smallest set that reaches top_p: a token stays only while the ones before it have "
+            "less than top_p"
+        )
     for _ in range(6):
         V = rng.randint(4, 40)
         logits = torch.randint(0, 4, (2, V), generator=g).float()  # many equal logits
@@ -608,13 +699,19 @@ def test_ties_keep_the_right_number_of_tokens(lab, rng):
             )
 
 
-def _random_params(rng, V: int) -> SamplingParams:
-    kind = rng.choice(["greedy", "temperature", "top_k", "top_p", "both", "both"])
+ROW_KINDS = ("greedy", "temperature", "top_k", "top_p", "both", "both", "both")
+
+
+def _params_of_kind(rng, kind: str, logits_row: torch.Tensor) -> SamplingParams:
+    """Random parameters of one kind of row; "both" (top-k then top-p) keeps a k well inside the vocabulary,
+    as in practice, so that the order of the two filters matters."""
+    V = logits_row.shape[-1]
     temperature = 0.0 if kind == "greedy" else round(rng.uniform(0.3, 2.0), 3)
-    top_k = (
-        rng.randint(1, V) if kind in ("top_k", "both") or (kind == "greedy" and rng.random() < 0.5) else -1
-    )
-    return SamplingParams(temperature=temperature, top_k=top_k)
+    top_k = {"top_k": rng.randint(1, V), "both": rng.randint(2, max(2, V // 4))}.get(kind, -1)
+    if kind == "greedy" and rng.random() < 0.5:
+        top_k = rng.randint(1, V)
+    p = SamplingParams(temperature=temperature, top_k=top_k)
+    return _with_safe_top_p(rng, logits_row, p) if kind in ("top_p", "both") else p
 
 
 def _with_safe_top_p(rng, logits_row: torch.Tensor, p: SamplingParams) -> SamplingParams:
@@ -632,17 +729,25 @@ def _learner_params(lab, params: list[SamplingParams]) -> list:
 
 @pytest.mark.points(2)
 def test_filter_logits_matches_the_reference(lab, rng):
-    """Check that filter_logits gives the reference's logits row by row: temperature, then top-k, then top-p; greedy rows."""
+    """Check that filter_logits gives the reference's float32 logits row by row: temperature, then top-k, then
+    top-p; greedy rows."""
     g = tensors(rng)
-    for _ in range(5):
-        B, V = rng.randint(1, 6), rng.randint(2, 120)
-        logits = 3 * torch.randn(B, V, generator=g)
-        params = [_random_params(rng, V) for _ in range(B)]
-        params = [
-            _with_safe_top_p(rng, logits[b], p) if rng.random() < 0.6 else p for b, p in enumerate(params)
-        ]
+    for dtype in (torch.float32, torch.float32, torch.float32, torch.bfloat16, torch.float16):
+        kinds = list(ROW_KINDS)
+        rng.shuffle(kinds)
+        B, V = len(kinds), rng.randint(8, 120)
+        if dtype == torch.float32:
+            logits = 3 * torch.randn(B, V, generator=g)
+        else:  # distinct values even in 16 bits (a tie for the k-th place may go either way)
+            logits = torch.stack([torch.randperm(V, generator=g) for _ in range(B)]) * (6 / V) - 3
+            logits = logits.to(dtype)
+        params = [_params_of_kind(rng, kind, logits[b].float()) for b, kind in enumerate(kinds)]
         want = filter_logits(logits, params)
         got = as_tensor(lab.filter_logits(logits, _learner_params(lab, params)), "filter_logits(...)", (B, V))
+        assert got.dtype == torch.float32, (
+            f"filter_logits on {str(dtype).removeprefix('torch.')} logits returned {got.dtype}: it should return "
+            "float32 logits whatever the input's dtype"
+        )
         for b, p in enumerate(params):
             what = f"filter_logits row {b} (temperature={p.temperature}, top_k={p.top_k}, top_p={p.top_p}, {V} tokens)"
             if not torch.equal(_kept(got[b]), _kept(want[b])):
@@ -655,7 +760,8 @@ def test_filter_logits_matches_the_reference(lab, rng):
 
 
 def test_greedy_rows_take_the_argmax(lab, rng):
-    """Check that temperature 0 always gives the argmax (the first one on ties), also among sampled rows."""
+    """Check that temperature 0 always gives the argmax (the first one on ties), also among sampled rows, and that
+    filter_logits keeps exactly that one token in a greedy row."""
     g = tensors(rng)
     V = rng.randint(5, 60)
     logits = torch.randint(0, 5, (6, V), generator=g).float()  # ties for the maximum are likely
@@ -669,6 +775,15 @@ def test_greedy_rows_take_the_argmax(lab, rng):
             assert int(got[b]) == int(logits[b].argmax()), (
                 "a greedy row (temperature 0) should take its argmax: the first most likely token on a tie"
             )
+    filtered = as_tensor(
+        lab.filter_logits(logits, _learner_params(lab, params)), "filter_logits(...)", (6, V)
+    )
+    for b in (0, 2, 4):
+        kept = _kept(filtered[b]).nonzero().flatten().tolist()
+        assert kept == [int(logits[b].argmax())], (
+            f"filter_logits keeps {_count(len(kept), 'token')} of a greedy row whose largest logit is tied: keep "
+            "only the first argmax"
+        )
 
 
 def _chi2_limit(df: int, z: float = 4.75) -> float:
@@ -711,12 +826,19 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(lab, rng):
     g = tensors(rng)
     B, V = 4, 64
     logits = 0.3 * torch.randn(B, V, generator=g)  # flat: many likely tokens
-    params = _learner_params(lab, [SamplingParams(temperature=1.0, top_p=0.99)] * B)
+    reference_params = [SamplingParams(temperature=1.0, top_k=16, top_p=0.99)] * B
+    params = _learner_params(lab, reference_params)
+    kept = _kept(filter_logits(logits, reference_params))
     seeds = [rng.randrange(2**31) for _ in range(B)]
 
     def draw(rows, row_seeds):
         out = lab.sample(logits[rows], [params[r] for r in rows], [lab.make_generator(s) for s in row_seeds])
-        return as_tensor(out, "sample(...)", (len(rows),), floating=False).tolist()
+        tokens = as_tensor(out, "sample(...)", (len(rows),), floating=False).tolist()
+        for r, token in zip(rows, tokens):
+            assert 0 <= token < V and bool(kept[r, token]), (
+                f"sample with top_k=16 drew token {token}, which the filters removed from row {r}"
+            )
+        return tokens
 
     rows = list(range(B))
     first = draw(rows, seeds)
