@@ -357,6 +357,12 @@ def main(argv: list[str] | None = None) -> int:
         help="grading seeds, comma-separated (default: %(default)s); caught means caught on every one",
     )
     parser.add_argument("--only", help="comma-separated mutant ids: run just these")
+    parser.add_argument(
+        "--set",
+        type=Path,
+        metavar="TOML",
+        help="the mutant set to run (default: autograder/mutants/labNN.toml)",
+    )
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the full report as JSON to PATH")
     parser.add_argument(
         "--tests", type=Path, metavar="DIR", help="hidden tests folder (default: the grader's)"
@@ -375,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--jobs must be at least 1")
 
     try:
-        mutant_set = load_mutant_set(args.lab)
+        mutant_set = load_mutant_set(args.lab, args.set)
         only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
         solution, notebooks = build_notebooks(mutant_set, only)
     except (MutantError, ValueError) as e:
@@ -442,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         report = {
             "lab": args.lab,
-            "mutant_set": str(mutant_set.path.relative_to(ROOT)),
+            "mutant_set": str(mutant_set.path),
             "seeds": args.seeds,
             "targets": {"hidden": HIDDEN_TARGET, "visible": VISIBLE_TARGET, "min_mutants": MIN_MUTANTS},
             "rates": {"hidden": rates.hidden, "visible": rates.visible},
