@@ -699,7 +699,7 @@ def test_ties_keep_the_right_number_of_tokens(lab, rng):
             )
 
 
-ROW_KINDS = ("greedy", "temperature", "top_k", "top_p", "both", "both", "both")
+ROW_KINDS = ("greedy", "temperature", "top_k", "top_k=1", "top_p", "both", "both", "both")
 
 
 def _params_of_kind(rng, kind: str, logits_row: torch.Tensor) -> SamplingParams:
@@ -707,7 +707,7 @@ def _params_of_kind(rng, kind: str, logits_row: torch.Tensor) -> SamplingParams:
     as in practice, so that the order of the two filters matters."""
     V = logits_row.shape[-1]
     temperature = 0.0 if kind == "greedy" else round(rng.uniform(0.3, 2.0), 3)
-    top_k = {"top_k": rng.randint(1, V), "both": rng.randint(2, max(2, V // 4))}.get(kind, -1)
+    top_k = {"top_k": rng.randint(1, V), "top_k=1": 1, "both": rng.randint(2, max(2, V // 4))}.get(kind, -1)
     if kind == "greedy" and rng.random() < 0.5:
         top_k = rng.randint(1, V)
     p = SamplingParams(temperature=temperature, top_k=top_k)
