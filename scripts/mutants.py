@@ -257,9 +257,14 @@ def print_report(lab: int, verdicts: list[Verdict], seeds: list[int], out: Any =
 
 @dataclass(frozen=True)
 class Rates:
+    """The two kill rates, and whether both reach their targets."""
+
     hidden: float
     visible: float
-    ok: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.hidden >= HIDDEN_TARGET and self.visible >= VISIBLE_TARGET
 
 
 def summarize(verdicts: list[Verdict], out: Any = sys.stdout) -> Rates:
@@ -267,7 +272,7 @@ def summarize(verdicts: list[Verdict], out: Any = sys.stdout) -> Rates:
     total = len(verdicts)
     hidden = sum(v.hidden_status == "caught" for v in verdicts)
     visible = sum(v.visible_caught for v in verdicts)
-    rates = Rates(_rate(hidden, total), _rate(visible, total), True)
+    rates = Rates(_rate(hidden, total), _rate(visible, total))
     print(file=out)
     for name, caught, rate, target in (
         ("hidden tests", hidden, rates.hidden, HIDDEN_TARGET),
@@ -294,8 +299,7 @@ def summarize(verdicts: list[Verdict], out: Any = sys.stdout) -> Rates:
             "solution, which belongs out of the set)",
             file=out,
         )
-    ok = rates.hidden >= HIDDEN_TARGET and rates.visible >= VISIBLE_TARGET
-    return Rates(rates.hidden, rates.visible, ok)
+    return rates
 
 
 # ---------------------------------------------------------------------------------------------- main
