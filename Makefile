@@ -8,10 +8,18 @@ TORCH := torch==2.13.0
 STAMP := $(VENV)/.nanolab-installed
 LINT_DIRS := $(wildcard nanolab tests bench scripts autograder)
 BUILD_INPUTS := pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/CMakeLists.txt)
+# The editable install maps each module to its file when it is installed, so a module added, moved or
+# removed needs a reinstall: the list of modules is kept in a file that changes only when the list does.
+MODULES := $(sort $(shell find nanolab autograder -name '*.py' -not -path '*/tests/*' 2>/dev/null))
+MODULE_LIST := $(VENV)/.nanolab-modules
 
-.PHONY: setup lab test lint bench labs solutions check-notebooks clean
+.PHONY: setup lab test lint bench labs solutions check-notebooks clean FORCE
 
-$(STAMP): $(BUILD_INPUTS)
+$(MODULE_LIST): FORCE
+	@mkdir -p $(VENV)
+	@echo "$(MODULES)" | cmp -s - $@ || echo "$(MODULES)" > $@
+
+$(STAMP): $(BUILD_INPUTS) $(MODULE_LIST)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"

@@ -2,7 +2,7 @@
 
 Workload: N requests (default 64) with mixed prompt lengths (prompts cut from held-out-style Python
 source) and mixed output lengths, greedy, ignore_eos (every system generates exactly the same number of
-tokens per request). Baselines, all on the same weights (`nanolab.hf.to_hf`):
+tokens per request). Baselines, all on the same weights (`nanolab.model.hf.to_hf`):
 
 - HF sequential: `model.generate` one request at a time;
 - HF static batching: left-padded batches of `--hf-batch` requests, each batch runs until its longest
@@ -24,7 +24,7 @@ import time
 import torch
 
 from nanolab import LLM, SamplingParams, load_model, load_tokenizer
-from nanolab.hf import to_hf
+from nanolab.model.hf import to_hf
 
 
 def make_workload(tokenizer, n: int, seed: int, max_len: int) -> tuple[list[list[int]], list[int]]:

@@ -189,7 +189,7 @@ def main() -> None:
     import torch
 
     from nanolab import LLM, SamplingParams
-    from nanolab.loading import resolve_checkpoint
+    from nanolab.model.loading import resolve_checkpoint
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -18,10 +18,10 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def run_benchmark(args: argparse.Namespace) -> int:
-    from nanolab import LLM, SamplingParams
-    from nanolab.cli import engine_kwargs
+    from nanolab.engine.llm import LLM
+    from nanolab.model.sampling import SamplingParams
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM.from_cli_args(args)
     max_len = llm.engine.max_model_len
     vocab = llm.model.config.vocab_size
     rng = random.Random(args.seed)

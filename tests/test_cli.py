@@ -10,7 +10,7 @@ from engine_utils import tiny_model
 
 from nanolab import LLM, SamplingParams, Tokenizer
 from nanolab.cli import main
-from nanolab.loading import save_model
+from nanolab.model.loading import save_model
 
 TEXT = "def f(x):\n    return x * 2\n\nprint(f(3))\nimport sys\n" * 30
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from engine_utils import compare_greedy, random_prompts, reference_greedy, tiny_model
 
-from nanolab.llm import LLM
-from nanolab.sampling import SamplingParams
+from nanolab.engine.llm import LLM
+from nanolab.model.sampling import SamplingParams
 
 VOCAB = 96
 
@@ -79,7 +79,7 @@ def test_preemption_gives_the_same_output(model, workload, record_property):
 
 def test_every_block_is_free_after_the_run(model, workload):
     llm, _ = run(model, *workload[:2], block_size=4, num_blocks=64)
-    kv = llm.engine.kv
+    kv = llm.engine.block_manager
     kv.prefix_cache.reset()
     alloc = kv.allocator
     assert alloc.num_free == alloc.num_total

@@ -7,8 +7,8 @@ import torch
 from engine_utils import random_prompts
 from hf_models import VOCAB, save_tiny_hf_model
 
-from nanolab.llm import LLM
-from nanolab.sampling import SamplingParams
+from nanolab.engine.llm import LLM
+from nanolab.model.sampling import SamplingParams
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])

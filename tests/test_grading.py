@@ -137,8 +137,8 @@ class EqualList(list):
 
 def _tampered(tests_copy: Path) -> dict[str, callable]:
     hidden = tests_copy / "test_lab01.py"
-    bpe_path = ROOT / "nanolab" / "bpe.py"
-    tok_path = ROOT / "nanolab" / "tokenizer.py"
+    bpe_path = ROOT / "nanolab" / "text" / "bpe.py"
+    tok_path = ROOT / "nanolab" / "text" / "tokenizer.py"
 
     def exit_at_import(nb):
         _prepend(nb, "pair-counts", "import sys\nsys.exit(0)")
@@ -210,15 +210,15 @@ for _target in ({str(hidden)!r}, {str(tests_copy / "conftest.py")!r}):
 
     def reexport_reference(nb):
         for grade_id, name in zip(GRADED[:4], ("pair_counts", "merge", "train_merges", "bpe_encode")):
-            _cell(nb, grade_id)["source"] = f"from nanolab.bpe import {name}\n"
-        _cell(nb, "tokenizer")["source"] = "from nanolab.tokenizer import Tokenizer\n"
+            _cell(nb, grade_id)["source"] = f"from nanolab.text.bpe import {name}\n"
+        _cell(nb, "tokenizer")["source"] = "from nanolab.text.tokenizer import Tokenizer\n"
 
     def subclass_reference(nb):
         _cell(nb, "tokenizer")["source"] = (
-            "import nanolab.tokenizer\n\n\nclass Tokenizer(nanolab.tokenizer.Tokenizer):\n    pass\n"
+            "import nanolab.text.tokenizer\n\n\nclass Tokenizer(nanolab.text.tokenizer.Tokenizer):\n    pass\n"
         )
         _cell(nb, "merge")["source"] = (
-            "import nanolab.bpe as _bpe\n\n\ndef merge(ids, pair, new_id):\n    return _bpe.merge(ids, pair, new_id)\n"
+            "import nanolab.text.bpe as _bpe\n\n\ndef merge(ids, pair, new_id):\n    return _bpe.merge(ids, pair, new_id)\n"
         )
 
     def reference_by_path(nb):
@@ -233,7 +233,7 @@ _spec.loader.exec_module(_bpe)
 pair_counts, merge, train_merges, bpe_encode = _bpe.pair_counts, _bpe.merge, _bpe.train_merges, _bpe.bpe_encode
 """
         _cell(nb, "tokenizer")["source"] = f"""
-_source = open({str(tok_path)!r}).read().replace("from nanolab.bpe import", "from my_bpe import")
+_source = open({str(tok_path)!r}).read().replace("from nanolab.text.bpe import", "from my_bpe import")
 _namespace = {{"__name__": "__main__"}}
 exec(compile(_source, "copied.py", "exec"), _namespace)
 Tokenizer = _namespace["Tokenizer"]

@@ -140,15 +140,15 @@ def _solution_namespace(name: str = "lab01_tokenizer.ipynb") -> dict:
 
 
 def test_lab01_setup_patterns_are_the_reference_patterns():
-    from nanolab.tokenizer import GPT2_PATTERN, GPT4_PATTERN
+    from nanolab.text.tokenizer import GPT2_PATTERN, GPT4_PATTERN
 
     namespace = _solution_namespace()
     assert namespace["GPT2_PATTERN"] == GPT2_PATTERN and namespace["GPT4_PATTERN"] == GPT4_PATTERN
 
 
 def test_lab01_learner_functions_have_the_reference_signatures():
-    from nanolab import bpe
-    from nanolab.tokenizer import Tokenizer as Reference
+    from nanolab.text import bpe
+    from nanolab.text.tokenizer import Tokenizer as Reference
 
     namespace = _solution_namespace()
     for name in ("pair_counts", "merge", "bpe_encode"):
@@ -189,7 +189,7 @@ def _parameters(fn) -> list[tuple[str, object]]:
 
 
 def test_lab02_learner_code_has_the_reference_signatures():
-    from nanolab import attention, kv_cache, sampling
+    from nanolab.model import attention, kv_cache, sampling
 
     namespace = _solution_namespace(LAB02)
     assert _parameters(namespace["causal_attention"]) == _parameters(attention.dense_causal_attention)
@@ -206,8 +206,8 @@ def test_lab02_setup_mirrors_the_reference_config_and_sampling_params():
     ModelShape the reference config's fields and head_dim, so the same hidden tests fit both."""
     import dataclasses
 
-    from nanolab.model import ModelConfig
-    from nanolab.sampling import SamplingParams
+    from nanolab.model.config import ModelConfig
+    from nanolab.model.sampling import SamplingParams
 
     namespace = _solution_namespace(LAB02)
     reference = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
@@ -228,9 +228,10 @@ def test_lab02_learner_cache_plugs_into_the_reference_model():
     """The solution's cache is a KVCacheProtocol and, in a random model, gives nanolab.generate's greedy tokens."""
     import torch
 
-    from nanolab.generate import generate
-    from nanolab.kv_cache import KVCacheProtocol
-    from nanolab.model import ModelConfig, Transformer
+    from nanolab.model.config import ModelConfig
+    from nanolab.model.generate import generate
+    from nanolab.model.kv_cache import KVCacheProtocol
+    from nanolab.model.transformer import Transformer
 
     namespace = _solution_namespace(LAB02)
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ import torch
 from engine_utils import tiny_model
 
 from nanolab import LLM, PyBlockAllocator, RadixCache, SamplingParams, Tokenizer
-from nanolab.loading import save_model
+from nanolab.model.loading import save_model
 
 TEXT = (
     "def add(a, b):\n    return a + b\n\nclass Stack:\n    def push(self, x):\n        self.items.append(x)\n"
@@ -120,7 +120,7 @@ def test_plugged_in_components_serve_the_same_output(checkpoint, llm):
     custom = LLM(checkpoint, block_allocator=PyBlockAllocator, prefix_cache=RadixCache, block_size=4)
     got = [o.outputs[0].token_ids for o in custom.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == expected
-    assert isinstance(custom.engine.kv.allocator, PyBlockAllocator)
+    assert isinstance(custom.engine.block_manager.allocator, PyBlockAllocator)
 
 
 def test_stats_report_the_run(checkpoint):

@@ -71,7 +71,7 @@ def test_pure_python_env_var_forces_the_twin_without_a_warning():
     out = _run(
         "import nanolab; print(nanolab.BlockAllocator.__module__, nanolab.backend())", NANOLAB_PURE_PYTHON="1"
     )
-    assert out.stdout.split() == ["nanolab.block_allocator", "python"]
+    assert out.stdout.split() == ["nanolab.memory.block_allocator", "python"]
     assert "RuntimeWarning" not in out.stderr
 
 

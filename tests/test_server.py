@@ -34,11 +34,12 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 from nanolab import LLM, SamplingParams  # noqa: E402
-from nanolab.async_engine import AsyncEngine, EngineNotRunning  # noqa: E402
-from nanolab.loading import save_model  # noqa: E402
-from nanolab.model import ModelConfig, Transformer  # noqa: E402
-from nanolab.server import build_app  # noqa: E402
-from nanolab.tokenizer import Tokenizer  # noqa: E402
+from nanolab.model.config import ModelConfig  # noqa: E402
+from nanolab.model.loading import save_model  # noqa: E402
+from nanolab.model.transformer import Transformer  # noqa: E402
+from nanolab.serving.async_engine import AsyncEngine, EngineNotRunning  # noqa: E402
+from nanolab.serving.server import build_app  # noqa: E402
+from nanolab.text.tokenizer import Tokenizer  # noqa: E402
 
 MODEL_NAME = "tiny"
 MAX_LEN = 128
@@ -586,7 +587,7 @@ def test_shutdown_aborts_running_requests_frees_their_blocks_and_refuses_new_one
     assert items[-1].outputs[0].finish_reason == "abort"
     assert len(items[-1].outputs[0].token_ids) < 100
     assert not aengine._thread.is_alive()
-    kv = llm.engine.kv
+    kv = llm.engine.block_manager
     assert kv.allocator.num_free + kv.prefix_cache.total_size // kv.block_size == kv.allocator.num_total
     assert not llm.engine.requests, "the server forgets finished requests"
 

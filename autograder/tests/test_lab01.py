@@ -19,9 +19,9 @@ import regex
 import tiktoken
 
 from autograder.plugin import expect
-from nanolab import bpe
-from nanolab.tokenizer import GPT4_PATTERN
-from nanolab.tokenizer import Tokenizer as Reference
+from nanolab.text import bpe
+from nanolab.text.tokenizer import GPT4_PATTERN
+from nanolab.text.tokenizer import Tokenizer as Reference
 
 ENDOFTEXT = "<|endoftext|>"
 STDLIB_FILES = ("textwrap.py", "heapq.py", "bisect.py", "shlex.py", "fnmatch.py", "colorsys.py", "string.py")

@@ -21,11 +21,12 @@ import torch
 
 import nanolab
 from autograder.plugin import expect
-from nanolab.attention import dense_causal_attention
-from nanolab.kv_cache import ContiguousKVCache as ReferenceCache
-from nanolab.kv_cache import kv_cache_bytes
-from nanolab.model import ModelConfig, Transformer
-from nanolab.sampling import SamplingParams, filter_logits
+from nanolab.model.attention import dense_causal_attention
+from nanolab.model.config import ModelConfig
+from nanolab.model.kv_cache import ContiguousKVCache as ReferenceCache
+from nanolab.model.kv_cache import kv_cache_bytes
+from nanolab.model.sampling import SamplingParams, filter_logits
+from nanolab.model.transformer import Transformer
 
 STDLIB_FILES = ("textwrap.py", "heapq.py", "bisect.py", "shlex.py", "fnmatch.py", "string.py")
 

@@ -4,10 +4,10 @@
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
 
-Endpoints: ``POST /v1/completions`` (see `nanolab.openai_protocol`), ``GET /v1/models``,
-``GET /health`` and ``GET /metrics`` (Prometheus text, see `nanolab.metrics`).
+Endpoints: ``POST /v1/completions`` (see `nanolab.serving.openai_protocol`), ``GET /v1/models``,
+``GET /health`` and ``GET /metrics`` (Prometheus text, see `nanolab.serving.metrics`).
 
-Every connection's requests go to one engine run by one background thread (`nanolab.async_engine`),
+Every connection's requests go to one engine run by one background thread (`nanolab.serving.async_engine`),
 so concurrent clients share continuous batches. A client that disconnects has its requests aborted and
 their KV blocks freed: a stream notices when its generator is cancelled, a plain request by polling
 ``request.is_disconnected()`` while it waits.
@@ -32,11 +32,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanolab import openai_protocol as oa
-from nanolab.async_engine import AsyncEngine, EngineNotRunning, EngineStepError, RequestGroup
-from nanolab.engine import Engine
-from nanolab.metrics import ServerMetrics
-from nanolab.request import RequestOutput
+from nanolab.engine.engine import Engine
+from nanolab.engine.request import RequestOutput
+from nanolab.serving import openai_protocol as oa
+from nanolab.serving.async_engine import AsyncEngine, EngineNotRunning, EngineStepError, RequestGroup
+from nanolab.serving.metrics import ServerMetrics
 
 log = logging.getLogger("nanolab.server")
 
@@ -219,12 +219,11 @@ def run_server(args: argparse.Namespace) -> int:
     """`nanolab serve`: load the model, build the app and run uvicorn until interrupted."""
     import uvicorn
 
-    from nanolab.cli import engine_kwargs
-    from nanolab.llm import LLM
-    from nanolab.loading import resolve_checkpoint
+    from nanolab.engine.llm import LLM
+    from nanolab.model.loading import resolve_checkpoint
 
     try:
-        llm = LLM(args.model, **engine_kwargs(args))
+        llm = LLM.from_cli_args(args)
         name = args.served_model_name or resolve_checkpoint(args.model).name
     except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)

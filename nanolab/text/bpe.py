@@ -1,7 +1,7 @@
 """Byte-pair encoding, the algorithm alone: count pairs, merge a pair, learn merges, apply ranks.
 
 Everything here works on token ids (ints) and byte strings; nothing knows about text, regexes or
-special tokens (that is `nanolab.tokenizer`). Ids 0..255 are the raw bytes; merge ``i`` creates id
+special tokens (that is `nanolab.text.tokenizer`). Ids 0..255 are the raw bytes; merge ``i`` creates id
 ``256 + i``, so a token's id is also its merge rank: lower ids were learned earlier.
 
 Two algorithms live here:
@@ -15,7 +15,7 @@ Two algorithms live here:
   merging the adjacent pair whose concatenation has the lowest rank. Because it looks ranks up by
   bytes, a table of ``bytes -> rank`` is all it needs, and `tiktoken` given the same table agrees.
 
-Deliberately left out: the regex pre-split and special tokens (see `nanolab.tokenizer`), training on
+Deliberately left out: the regex pre-split and special tokens (see `nanolab.text.tokenizer`), training on
 a stream too large for memory, and any parallelism.
 """
 

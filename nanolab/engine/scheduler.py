@@ -25,31 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, runtime_checkable
 
-from nanolab.kv_manager import KVCacheManager
-from nanolab.request import Request, RequestStatus
-
-POLICIES = ("fcfs", "priority", "shortest")
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64  # running requests at most
-    max_num_batched_tokens: int = 512  # tokens (prefill + decode) computed per step at most
-    enable_chunked_prefill: bool = True  # split long prompts over several steps
-    policy: str = "fcfs"  # "fcfs" | "priority" | "shortest"
-    aging_steps: int = 16  # "priority": steps of waiting that count as one level of priority
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.policy not in POLICIES:
-            raise ValueError(
-                f"unknown scheduling policy {self.policy!r}; choose one of {', '.join(POLICIES)}"
-            )
-        if self.aging_steps < 1:
-            raise ValueError(f"aging_steps must be >= 1, got {self.aging_steps}")
+from nanolab.engine.config import EngineConfig, SchedulingPolicy
+from nanolab.engine.request import Request, RequestStatus
+from nanolab.memory.block_manager import BlockManager
 
 
 class ScheduledRequest(NamedTuple):  # a NamedTuple: one is built per request per step, so cheap matters
@@ -78,7 +56,7 @@ class SchedulerProtocol(Protocol):
 
     The engine calls `add` for each new request, `schedule` once per step, then `finish` for each
     request that finished in that step (`abort` at any time). The scheduler owns the KV blocks of the
-    requests it runs, through its `KVCacheManager`, and must release them on finish and abort.
+    requests it runs, through its `BlockManager`, and must release them on finish and abort.
     """
 
     waiting: list[Request]
@@ -96,9 +74,11 @@ class SchedulerProtocol(Protocol):
 class Scheduler:
     """Token-budget scheduler with chunked prefill, three waiting policies and preemption by recompute."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        if config.max_num_batched_tokens is None:
+            raise ValueError("the scheduler needs a resolved EngineConfig (see EngineConfig.resolve)")
         self.config = config
-        self.kv = kv
+        self.block_manager = block_manager
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.step_count = 0
@@ -114,12 +94,12 @@ class Scheduler:
 
     def finish(self, req: Request) -> None:
         self.running.remove(req)
-        self.kv.release(req)
+        self.block_manager.release(req)
 
     def abort(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)
-            self.kv.release(req)
+            self.block_manager.release(req)
         elif req in self.waiting:
             self.waiting.remove(req)
 
@@ -127,11 +107,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _waiting_key(self) -> Callable[[Request], tuple]:
-        policy, now = self.config.policy, self.step_count
-        if policy == "priority":
+        policy, now = self.config.scheduling_policy, self.step_count
+        if policy is SchedulingPolicy.PRIORITY:
             aging = self.config.aging_steps
             return lambda r: (r.priority - (now - r.arrival_step) / aging, r.arrival_time)
-        if policy == "shortest":
+        if policy is SchedulingPolicy.SHORTEST:
             return lambda r: (r.remaining_prefill(), r.arrival_time)
         return lambda r: (r.arrival_time,)
 
@@ -142,7 +122,7 @@ class Scheduler:
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
-        self.kv.release(victim)
+        self.block_manager.release(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -154,7 +134,7 @@ class Scheduler:
 
         Returns False (and preempts ``req`` itself) when no such victim is left.
         """
-        while not self.kv.grow(req, num_new):
+        while not self.block_manager.grow(req, num_new):
             scheduled = {id(s.request) for s in out.scheduled}
             candidates = [r for r in self.running if id(r) not in scheduled and r is not req]
             victim = max(candidates, key=self._importance, default=None)
@@ -192,7 +172,7 @@ class Scheduler:
             req = self.waiting[0]
             if not cfg.enable_chunked_prefill and req.remaining_prefill() > budget:
                 break  # the prompt must go in one step; it waits for a step with room
-            num_new = self.kv.admit(req, budget if cfg.enable_chunked_prefill else None)
+            num_new = self.block_manager.admit(req, budget if cfg.enable_chunked_prefill else None)
             if num_new is None:
                 break  # not enough KV blocks: it waits until running requests release some
             self.waiting.pop(0)

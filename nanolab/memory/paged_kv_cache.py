@@ -17,10 +17,11 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from nanolab.attention import paged_decode_attention, paged_prefill_attention, write_kv
-from nanolab.model import ModelConfig
+from nanolab.memory.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
+from nanolab.memory.paging import slot_mapping, slot_of
+from nanolab.model.attention import sdpa
+from nanolab.model.config import ModelConfig
 
 
 class SeqSlice(NamedTuple):  # a NamedTuple: the engine builds one per request per step
@@ -31,18 +32,8 @@ class SeqSlice(NamedTuple):  # a NamedTuple: the engine builds one per request p
     num_new: int
 
 
-def slot_mapping(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """Slots of positions start .. end-1.
-
-    Example:
-        >>> slot_mapping([7, 2], 14, 18, block_size=16)
-        [126, 127, 32, 33]
-    """
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-
-
 class PagedKVCache:
-    """Implements `nanolab.kv_cache.KVCacheProtocol` over a paged pool of KV blocks."""
+    """Implements `nanolab.model.kv_cache.KVCacheProtocol` over a paged pool of KV blocks."""
 
     def __init__(
         self,
@@ -72,7 +63,7 @@ class PagedKVCache:
         step for every running request, so the decode group (most of a busy batch) is laid out with a
         few list comprehensions and one NumPy conversion per array rather than per-token Python work.
         """
-        B = self.block_size
+        block_size = self.block_size
         n_dec = 0
         for s in seqs:
             if s.num_new != 1:
@@ -82,15 +73,15 @@ class PagedKVCache:
         if any(s.num_new == 1 for s in chunks):
             raise ValueError("prepare() needs the one-token (decode) sequences first")
         for s in seqs:  # what the comprehensions below would index past, with a message that says why
-            if len(s.block_table) * B < s.start_pos + s.num_new:
+            if len(s.block_table) * block_size < s.start_pos + s.num_new:
                 raise ValueError(
                     f"a sequence needs {s.start_pos + s.num_new} slots but its block table has "
                     f"{len(s.block_table)} blocks"
                 )
         positions = [s.start_pos for s in decodes]
-        slots = [table[p // B] * B + p % B for table, p, _ in decodes]  # slot_mapping of one position, inline
+        slots = [slot_of(table, p, block_size) for table, p, _ in decodes]
         for table, start, n in chunks:
-            slots += slot_mapping(table, start, start + n, B)
+            slots += slot_mapping(table, start, start + n, block_size)
             positions += range(start, start + n)
         self._slots = torch.from_numpy(np.array(slots, dtype=np.int64))
         self._num_decodes = n_dec
@@ -121,20 +112,12 @@ class PagedKVCache:
             out[:n] = paged_decode_attention(
                 q[:n], k_cache, v_cache, self._dec_tables, self._dec_lens, self.scale, backend=self.backend
             )
-        gqa = q.shape[1] != k.shape[1]
         for first, last, table, context_len, fresh in self._prefills:
             if fresh:
                 # Nothing cached before this chunk: plain causal attention over the chunk itself.
-                # 4-D inputs: with 3-D ones and enable_gqa, PyTorch's CPU SDPA takes a much slower path.
-                y = F.scaled_dot_product_attention(
-                    q[first:last].transpose(0, 1)[None],
-                    k[first:last].transpose(0, 1)[None],
-                    v[first:last].transpose(0, 1)[None],
-                    is_causal=True,
-                    scale=self.scale,
-                    enable_gqa=gqa,
-                )  # (1, nh, t, hs)
-                out[first:last] = y[0].transpose(0, 1)
+                out[first:last] = sdpa(
+                    q[first:last], k[first:last], v[first:last], causal=True, scale=self.scale
+                )
             else:
                 out[first:last] = paged_prefill_attention(
                     q[first:last], k_cache, v_cache, table, context_len, self.scale

@@ -6,7 +6,7 @@ or where past keys live: each attention layer calls ``cache.attend(layer, q, k, 
 the rest. `KVCacheProtocol` is that contract. Two caches implement it:
 
 - `ContiguousKVCache` (here): one sequence, one preallocated (max_seq_len, ...) slab per layer. What the
-  single-request `nanolab.generate` loop uses, and what Lab 2 builds.
+  single-request `nanolab.model.generate` loop uses, and what Lab 2 builds.
 - the engine's paged cache: many sequences, keys and values in fixed-size blocks from a shared pool.
 
 Deliberately left out here: more than one sequence, freeing or sharing memory (that is what paging buys).
@@ -17,10 +17,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
+
+from nanolab.model.attention import sdpa
 
 if TYPE_CHECKING:
-    from nanolab.model import ModelConfig
+    from nanolab.model.config import ModelConfig
 
 
 @runtime_checkable
@@ -44,7 +45,7 @@ def kv_cache_bytes(config: ModelConfig, num_tokens: int, dtype: torch.dtype = to
     """Bytes needed to cache ``num_tokens`` tokens: a key and a value vector per token, layer and KV head.
 
     Example:
-        >>> from nanolab.model import ModelConfig
+        >>> from nanolab.model.config import ModelConfig
         >>> kv_cache_bytes(ModelConfig(n_layers=4, n_kv_heads=2, n_heads=4, d_model=128), 1000)
         2048000
     """
@@ -115,8 +116,6 @@ class ContiguousKVCache:
             raise ValueError(f"the forward brought {T} tokens but prepare() was told {end - start}")
         self.k[layer, start:end] = k
         self.v[layer, start:end] = v
-        keys = self.k[layer, :end].transpose(0, 1)  # (nkv, L, hs), L = end
-        values = self.v[layer, :end].transpose(0, 1)  # (nkv, L, hs)
         if T == 1 or start == 0:
             # One query sees every cached token; a prefill from 0 is the usual square causal mask.
             mask, is_causal = None, T > 1
@@ -124,13 +123,4 @@ class ContiguousKVCache:
             # New token i sits at position start + i and sees cached positions 0 .. start + i.
             rows = torch.arange(start, end, device=q.device)[:, None]
             mask, is_causal = torch.arange(end, device=q.device)[None, :] <= rows, False  # (T, L)
-        # 4-D inputs: PyTorch's fused CPU attention kernel takes them (3-D ones fall back to a slow path).
-        y = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],  # (1, nh, T, hs)
-            keys[None],  # (1, nkv, L, hs)
-            values[None],
-            attn_mask=mask,
-            is_causal=is_causal,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )  # (1, nh, T, hs)
-        return y[0].transpose(0, 1)  # (T, nh, hs)
+        return sdpa(q, self.k[layer, :end], self.v[layer, :end], mask=mask, causal=is_causal)

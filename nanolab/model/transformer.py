@@ -3,7 +3,7 @@
 The model serves many requests at once without knowing it. `Transformer.forward` takes the new tokens of
 any number of sequences flattened into one batch of T tokens, with each token's position in its own
 sequence, and every attention layer hands its queries, keys and values to ``cache.attend(layer, q, k, v)``.
-The cache (see `nanolab.kv_cache`) knows which token belongs to which sequence and where its keys and
+The cache (see `nanolab.model.kv_cache`) knows which token belongs to which sequence and where its keys and
 values live; the model only does the per-token arithmetic (projections, RoPE, MLP, norms), which is the
 same for every token. That split is what lets the engine mix prefills and decodes of different requests
 in one forward.
@@ -22,87 +22,15 @@ and any notion of batches or padding (the cache owns the batch layout).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanolab.kv_cache import KVCacheProtocol
+from nanolab.model.attention import sdpa
+from nanolab.model.config import ModelConfig
+from nanolab.model.kv_cache import KVCacheProtocol
 
-ARCHS = ("gpt2", "llama")
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos and sin for each token, (..., 1, head_dim) each
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The shape of a `Transformer`. Saved as the nanolab checkpoint's ``config.json``."""
-
-    arch: str = "llama"  # "gpt2" or "llama": which family of layers (see the module docstring)
-    vocab_size: int = 512  # number of token ids: rows of the embedding and of the output layer
-    n_layers: int = 4  # number of transformer blocks
-    n_heads: int = 4  # query heads per attention layer
-    n_kv_heads: int = 4  # key/value heads (grouped-query attention); must divide n_heads; gpt2: == n_heads
-    d_model: int = 128  # width of the residual stream; n_heads * head_dim
-    d_ff: int = 512  # hidden width of the MLP (for SwiGLU: of each of the gate and up projections)
-    max_seq_len: int = 512  # longest sequence (prompt + output) the model accepts; sizes position tables
-    norm_eps: float = 1e-5  # epsilon inside LayerNorm / RMSNorm
-    rope_theta: float = 10000.0  # RoPE base frequency (llama only; gpt2 learns its position embeddings)
-    tie_embeddings: bool = True  # output layer reuses the token embedding matrix (gpt2: always)
-    qkv_bias: bool = False  # biases on the q/k/v projections, as in Qwen2 (llama only; gpt2 has all biases)
-
-    def __post_init__(self) -> None:
-        if self.arch not in ARCHS:
-            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
-        for name in ("vocab_size", "n_layers", "n_heads", "n_kv_heads", "d_model", "d_ff", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
-        if self.norm_eps <= 0:
-            raise ValueError(f"norm_eps must be positive, got {self.norm_eps}")
-        if self.arch == "gpt2":
-            if self.n_kv_heads != self.n_heads:
-                raise ValueError(
-                    f"gpt2 has no grouped-query attention: n_kv_heads ({self.n_kv_heads}) != n_heads"
-                )
-            if not self.tie_embeddings or self.qkv_bias:
-                raise ValueError("gpt2 always ties its embeddings and has all biases: use the defaults")
-        else:
-            if self.head_dim % 2:
-                raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
-            if self.rope_theta <= 0:
-                raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
-    def q_size(self) -> int:
-        """Width of all query heads together."""
-        return self.n_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        """Width of all key (or all value) heads together."""
-        return self.n_kv_heads * self.head_dim
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """Inverse of `to_dict`. Unknown keys are an error (they usually mean a newer or foreign format)."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown ModelConfig keys {unknown}; known keys are {sorted(known)}")
-        return cls(**d)
 
 
 def rope_tables(
@@ -203,15 +131,7 @@ class _CausalNoCache:
     """The "cache" behind `Transformer.logits`: plain causal attention over (B, S) batches with no padding."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: (B, S, nh, hs), k and v: (B, S, nkv, hs)
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2),  # (B, nh, S, hs)
-            k.transpose(1, 2),  # (B, nkv, S, hs)
-            v.transpose(1, 2),
-            is_causal=True,
-            enable_gqa=q.shape[-2] != k.shape[-2],
-        )  # (B, nh, S, hs)
-        return y.transpose(1, 2)  # (B, S, nh, hs)
+        return sdpa(q, k, v, causal=True)  # q: (B, S, nh, hs), k and v: (B, S, nkv, hs)
 
 
 class Transformer(nn.Module):

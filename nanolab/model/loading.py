@@ -8,7 +8,7 @@ left out when tied) and optionally ``nanolab_tokenizer.json``. The bundled model
 A Hugging Face checkpoint is a local directory written by ``save_pretrained`` (nothing is downloaded):
 GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM or MistralForCausalLM. Its tensors are renamed to
 ours, GPT-2's Conv1D weights (stored (in, out)) are transposed, and q/k/v and gate/up are concatenated
-into nanolab's fused projections; that conversion lives in `nanolab.hf`, whose `to_hf` goes the other way,
+into nanolab's fused projections; that conversion lives in `nanolab.model.hf`, whose `to_hf` goes the other way,
 for comparing against HF on the same weights.
 
 Deliberately left out: quantised weights, RoPE scaling, sliding windows (a Mistral/Qwen2 window caps
@@ -19,19 +19,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from nanolab.model import ModelConfig, Transformer
+from nanolab.model.checkpoint_files import CONFIG_FILE, load_weights_file, read_json
+from nanolab.model.config import ModelConfig
+from nanolab.model.transformer import Transformer
 
 if TYPE_CHECKING:
-    from nanolab.tokenizer import Tokenizer
+    from nanolab.text.tokenizer import Tokenizer
 
-ASSETS_DIR = Path(__file__).parent / "assets"
+ASSETS_DIR = Path(__file__).parents[1] / "assets"  # nanolab/assets
 DEFAULT_MODEL = "tinypy"
-CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "nanolab_tokenizer.json"
 FORMAT_KEY = "nanolab_format"  # present in (and only in) a nanolab checkpoint's config.json
@@ -73,7 +74,7 @@ def load_model(path_or_name: str | Path | None = None, *, dtype: torch.dtype = t
     Weights are converted to ``dtype``. The model is in eval mode, on the CPU.
     """
     directory = resolve_checkpoint(path_or_name)
-    raw = _read_json(directory / CONFIG_FILE)
+    raw = read_json(directory / CONFIG_FILE)
     if FORMAT_KEY in raw:
         if raw[FORMAT_KEY] != FORMAT_VERSION:
             raise ValueError(
@@ -88,9 +89,9 @@ def load_model(path_or_name: str | Path | None = None, *, dtype: torch.dtype = t
         weights = directory / WEIGHTS_FILE
         if not weights.exists():
             raise FileNotFoundError(f"{directory} has a nanolab {CONFIG_FILE} but no {WEIGHTS_FILE}")
-        state, source = _load_weights_file(weights), str(weights)
+        state, source = load_weights_file(weights), str(weights)
     elif "architectures" in raw or "model_type" in raw:
-        from nanolab.hf import config_from_hf, read_hf_weights, state_from_hf
+        from nanolab.model.hf import config_from_hf, read_hf_weights, state_from_hf
 
         _, config = config_from_hf(raw, where=str(directory / CONFIG_FILE))
         hf_state, source = read_hf_weights(directory)
@@ -105,11 +106,11 @@ def load_model(path_or_name: str | Path | None = None, *, dtype: torch.dtype = t
 
 
 def load_tokenizer(path_or_name: str | Path | None = None) -> Tokenizer | None:
-    """The checkpoint's ``nanolab_tokenizer.json`` as a `nanolab.tokenizer.Tokenizer`, or None if it has none."""
+    """The checkpoint's ``nanolab_tokenizer.json`` as a `nanolab.text.tokenizer.Tokenizer`, or None if it has none."""
     file = resolve_checkpoint(path_or_name) / TOKENIZER_FILE
     if not file.exists():
         return None
-    from nanolab.tokenizer import Tokenizer
+    from nanolab.text.tokenizer import Tokenizer
 
     return Tokenizer.load(file)
 
@@ -129,24 +130,3 @@ def save_model(model: Transformer, path: str | Path, tokenizer: Tokenizer | None
     if tokenizer is not None:
         tokenizer.save(str(directory / TOKENIZER_FILE))
     return directory
-
-
-# ---- files ----------------------------------------------------------------------------------------
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        raise FileNotFoundError(f"{path.parent} is not a model checkpoint: it has no {path.name}")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
-
-
-def _load_weights_file(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        if path.suffix == ".bin":
-            return torch.load(path, map_location="cpu", weights_only=True)
-        return load_file(str(path))
-    except Exception as e:
-        raise ValueError(f"could not read weights from {path}: {e}") from e

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from nanolab.sampling import SamplingParams, make_generator
+from nanolab.model.sampling import SamplingParams, make_generator
 
 
 class RequestStatus(Enum):

@@ -1,6 +1,6 @@
 """Hugging Face checkpoints: reading them into nanolab's layout, and `to_hf` for the way back.
 
-`nanolab.loading.load_model` calls in here for a directory written by ``save_pretrained``:
+`nanolab.model.loading.load_model` calls in here for a directory written by ``save_pretrained``:
 GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM or MistralForCausalLM. The tensors are renamed to
 ours, GPT-2's Conv1D weights (stored (in, out)) are transposed, and q/k/v and gate/up are concatenated
 into nanolab's fused projections. `to_hf` builds the equivalent transformers model from a `Transformer`,
@@ -16,8 +16,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from nanolab.loading import CONFIG_FILE, _load_weights_file, _read_json
-from nanolab.model import ModelConfig, Transformer
+from nanolab.model.checkpoint_files import CONFIG_FILE, load_weights_file, read_json
+from nanolab.model.config import ModelConfig
+from nanolab.model.transformer import Transformer
 
 HF_ARCHS = {
     "GPT2LMHeadModel": "gpt2",
@@ -308,15 +309,15 @@ def read_hf_weights(directory: Path) -> tuple[dict[str, torch.Tensor], str]:
         index = directory / f"{name}.index.json"
         if index.exists():
             state: dict[str, torch.Tensor] = {}
-            for shard in sorted(set(_read_json(index)["weight_map"].values())):
+            for shard in sorted(set(read_json(index)["weight_map"].values())):
                 if not (directory / shard).exists():
                     raise FileNotFoundError(
                         f"{index} lists the shard {shard}, which is missing from {directory}"
                     )
-                state.update(_load_weights_file(directory / shard))
+                state.update(load_weights_file(directory / shard))
             return state, str(index)
         if (directory / name).exists():
-            return _load_weights_file(directory / name), str(directory / name)
+            return load_weights_file(directory / name), str(directory / name)
     raise FileNotFoundError(
         f"{directory} has a Hugging Face {CONFIG_FILE} but no weights: expected model.safetensors, "
         f"a sharded model.safetensors.index.json, or pytorch_model.bin"

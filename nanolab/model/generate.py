@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from tqdm.auto import tqdm
 
-from nanolab.kv_cache import ContiguousKVCache
-from nanolab.sampling import SamplingParams, make_generator, sample
+from nanolab.model.kv_cache import ContiguousKVCache
+from nanolab.model.sampling import SamplingParams, make_generator, sample
 
 if TYPE_CHECKING:
-    from nanolab.model import Transformer
-    from nanolab.tokenizer import Tokenizer
+    from nanolab.model.transformer import Transformer
+    from nanolab.text.tokenizer import Tokenizer
 
 
 class GenerateOutput(NamedTuple):

@@ -20,31 +20,17 @@ from typing import Any
 
 import torch
 
-from nanolab.block_allocator import BlockAllocatorProtocol
-from nanolab.kv_manager import KVCacheManager, cdiv
-from nanolab.model import Transformer
-from nanolab.paged_cache import PagedKVCache, SeqSlice
-from nanolab.prefix_cache import PrefixCacheProtocol
-from nanolab.request import FinishReason, Request, RequestOutput, RequestStatus
-from nanolab.sampling import SamplingParams, sample
-from nanolab.scheduler import Scheduler, SchedulerConfig, SchedulerProtocol
-
-DEFAULT_KV_MEMORY = 1 << 30  # bytes of KV pool when num_blocks is not given
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    block_size: int = 16  # tokens per KV block
-    num_blocks: int | None = (
-        None  # KV pool size; None: enough for max_num_seqs full-length requests, <= 1 GiB
-    )
-    max_num_seqs: int = 64  # running requests at most
-    max_num_batched_tokens: int | None = None  # tokens per step; None: 1024 (chunked) or max_model_len
-    max_model_len: int | None = None  # prompt + output tokens at most; None: the model's max_seq_len
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"  # "fcfs" | "priority" | "shortest"
-    attention_backend: str = "auto"  # paged decode attention: "auto" | "cpp" | "torch"
+from nanolab.engine.config import EngineConfig
+from nanolab.engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from nanolab.engine.scheduler import Scheduler, SchedulerProtocol
+from nanolab.memory.block_allocator import BlockAllocator, BlockAllocatorProtocol
+from nanolab.memory.block_manager import BlockManager
+from nanolab.memory.paged_kv_cache import PagedKVCache, SeqSlice
+from nanolab.memory.paging import cdiv
+from nanolab.memory.prefix_cache import PrefixCacheProtocol
+from nanolab.memory.radix_cache import RadixCache
+from nanolab.model.sampling import SamplingParams, sample
+from nanolab.model.transformer import Transformer
 
 
 @dataclass
@@ -75,50 +61,26 @@ class Engine:
         prefix_cache: type | PrefixCacheProtocol | None = None,
         scheduler: type | SchedulerProtocol | None = None,
     ) -> None:
-        from nanolab import BlockAllocator
-        from nanolab.radix_cache import RadixCache
-
-        cfg = config or EngineConfig()
         self.model = model.eval()
         self.tokenizer = tokenizer
-        mc = model.config
-        self.max_model_len = cfg.max_model_len or mc.max_seq_len
-        if not 1 <= self.max_model_len <= mc.max_seq_len:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} must be in [1, {mc.max_seq_len}] (the model's max_seq_len)"
-            )
-        B = cfg.block_size
-        if B < 1:
-            raise ValueError(f"block_size must be >= 1, got {B}")
-        bytes_per_block = 2 * mc.n_layers * B * mc.n_kv_heads * mc.head_dim * 4
-        num_blocks = cfg.num_blocks
-        if num_blocks is None:
-            want = cdiv(cfg.max_num_seqs * self.max_model_len, B)
-            num_blocks = max(min(want, DEFAULT_KV_MEMORY // bytes_per_block), cdiv(self.max_model_len, B))
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        budget = cfg.max_num_batched_tokens
-        if budget is None:
-            budget = 1024 if cfg.enable_chunked_prefill else max(self.max_model_len, 1024)
+        cfg = (config or EngineConfig()).resolve(model.config)
         self.config = cfg
-        self.num_blocks = num_blocks
+        self.max_model_len = cfg.max_model_len
+        self.num_blocks = cfg.num_blocks
 
-        allocator = _build(block_allocator, BlockAllocator, num_blocks)
-        if allocator.num_total != num_blocks:
-            raise ValueError(f"the block allocator has {allocator.num_total} blocks, expected {num_blocks}")
+        allocator = _build(block_allocator, BlockAllocator, cfg.num_blocks)
+        if allocator.num_total != cfg.num_blocks:
+            raise ValueError(
+                f"the block allocator has {allocator.num_total} blocks, expected {cfg.num_blocks}"
+            )
         cache = None
         if cfg.enable_prefix_caching:
-            cache = _build(prefix_cache, RadixCache, allocator, B)
-        self.kv = KVCacheManager(allocator, B, cache)
-        self.cache = PagedKVCache(mc, num_blocks, B, attention_backend=cfg.attention_backend)
-        sched_cfg = SchedulerConfig(
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=budget,
-            enable_chunked_prefill=cfg.enable_chunked_prefill,
-            policy=cfg.scheduling_policy,
+            cache = _build(prefix_cache, RadixCache, allocator, cfg.block_size)
+        self.block_manager = BlockManager(allocator, cfg.block_size, cache)
+        self.kv_cache = PagedKVCache(
+            model.config, cfg.num_blocks, cfg.block_size, attention_backend=cfg.attention_backend.value
         )
-        self.scheduler_config = sched_cfg
-        self.scheduler = _build(scheduler, Scheduler, sched_cfg, self.kv)
+        self.scheduler = _build(scheduler, Scheduler, cfg, self.block_manager)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self._ids = itertools.count()
         self.stats_ = EngineStats()
@@ -186,7 +148,7 @@ class Engine:
                 f"the request needs up to {need} KV blocks ({P} prompt + {M} output tokens) but the pool has only "
                 f"{self.num_blocks}; raise num_blocks or lower max_tokens"
             )
-        budget = self.scheduler_config.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens
         if not self.config.enable_chunked_prefill and P > budget:
             raise ValueError(
                 f"the prompt has {P} tokens but, without chunked prefill, a prompt must fit in one step of "
@@ -233,9 +195,9 @@ class Engine:
                 sample_rows.append(row - 1)
                 to_sample.append(r)
                 prefilled.append(n > 1)  # this step computed (the end of) a prompt, not a decode
-        positions = self.cache.prepare(seqs)
+        positions = self.kv_cache.prepare(seqs)
         t1 = time.perf_counter()
-        hidden = self.model(torch.tensor(ids, dtype=torch.long), positions, self.cache)
+        hidden = self.model(torch.tensor(ids, dtype=torch.long), positions, self.kv_cache)
         logits = self.model.compute_logits(hidden[sample_rows]) if to_sample else None
         t2 = time.perf_counter()  # the model's share of the step ends here
         next_ids: list[int] = []
@@ -256,7 +218,7 @@ class Engine:
             if reason is not None:
                 self._finish(r, reason)
             elif was_prefill:
-                self.kv.cache_computed(r)  # share the prompt with requests admitted from now on
+                self.block_manager.cache_computed(r)  # share the prompt with requests admitted from now on
             if reason is not None or not finished_only:
                 outputs.append(RequestOutput.of(r, has_text))
 
@@ -270,7 +232,7 @@ class Engine:
         st.busy_time += step_time
         if self.step_log is not None:
             self.step_log.append((len(batch), out.num_tokens, t2 - t1, step_time))
-        st.peak_kv_usage = max(st.peak_kv_usage, self.kv.usage())
+        st.peak_kv_usage = max(st.peak_kv_usage, self.block_manager.usage())
         return outputs
 
     def _stop_reason(self, r: Request, tok: int) -> FinishReason | None:
@@ -311,7 +273,7 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         st = self.stats_
-        cache = self.kv.prefix_cache
+        cache = self.block_manager.prefix_cache
         return {
             "steps": st.steps,
             "generated_tokens": st.generated_tokens,
@@ -321,7 +283,7 @@ class Engine:
             "mean_batch_size": st.scheduled_seqs / st.steps if st.steps else 0.0,
             "forward_fraction": st.forward_time / st.busy_time if st.busy_time else 0.0,
             "kv_blocks_total": self.num_blocks,
-            "kv_block_usage": self.kv.usage(),
+            "kv_block_usage": self.block_manager.usage(),
             "peak_kv_block_usage": st.peak_kv_usage,
             "prefix_hit_rate": cache.stats().hit_rate if cache is not None else 0.0,
             "prefix_cached_tokens": cache.stats().cached_tokens if cache is not None else 0,

@@ -132,3 +132,13 @@ class PyBlockAllocator:
 
     def __repr__(self) -> str:
         return f"BlockAllocator(num_blocks={self.num_total}, num_free={self.num_free})"
+
+
+def _default_allocator() -> type:
+    from nanolab import _ext
+
+    return _ext._C.BlockAllocator if _ext.HAS_C else PyBlockAllocator
+
+
+BlockAllocator: type = _default_allocator()
+"""The allocator this installation uses: the C++ class when the extension is built, else the twin."""

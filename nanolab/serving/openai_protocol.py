@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from nanolab.sampling import SamplingParams
+from nanolab.model.sampling import SamplingParams
 
 Prompt = str | list[int]
 

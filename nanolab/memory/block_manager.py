@@ -2,7 +2,7 @@
 
 The manager is the only place that turns "this request needs room for n more tokens" into allocator
 calls. It knows the paging arithmetic (a request with t tokens holds ceil(t / block_size) blocks) and the
-prefix cache protocol (see `nanolab.prefix_cache`): match and lock on admission, insert on completion of
+prefix cache protocol (see `nanolab.memory.prefix_cache`): match and lock on admission, insert on completion of
 the prompt and on release, evict before giving up on an allocation.
 
 Reference counting invariant: a block's ref count equals the number of its holders, where a holder is a
@@ -11,16 +11,37 @@ request whose block table lists it, or the prefix cache.
 
 from __future__ import annotations
 
-from nanolab.block_allocator import BlockAllocatorProtocol
-from nanolab.prefix_cache import PrefixCacheProtocol
-from nanolab.request import Request
+from typing import Any, Protocol
+
+from nanolab.memory.block_allocator import BlockAllocatorProtocol
+from nanolab.memory.paging import cdiv
+from nanolab.memory.prefix_cache import PrefixCacheProtocol
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+class PagedSequence(Protocol):
+    """What the block manager reads and writes on a request (`nanolab.engine.request.Request` has it).
+
+    The manager owns ``block_table``, ``prefix_node`` and resets ``num_computed_tokens`` /
+    ``num_cached_tokens`` on admission and release; it reads the rest.
+    """
+
+    block_table: list[int]
+    prefix_node: Any  # the prefix cache's node this sequence holds a lock on, or None
+    num_computed_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
 
 
-class KVCacheManager:
+class BlockManager:
     """Allocates and frees KV blocks for requests; uses the prefix cache when one is given."""
 
     def __init__(
@@ -55,7 +76,7 @@ class KVCacheManager:
             self.prefix_cache.evict(short)
         return self.allocator.num_free >= n
 
-    def admit(self, req: Request, max_new_tokens: int | None) -> int | None:
+    def admit(self, req: PagedSequence, max_new_tokens: int | None) -> int | None:
         """Give a waiting request its cached prefix and blocks for its next chunk.
 
         Returns the number of tokens to compute this step: the tokens not served by the prefix cache,
@@ -87,7 +108,7 @@ class KVCacheManager:
         req.num_computed_tokens = req.num_cached_tokens = cached
         return num_new
 
-    def grow(self, req: Request, num_new_tokens: int) -> bool:
+    def grow(self, req: PagedSequence, num_new_tokens: int) -> bool:
         """Make room for a running request's next ``num_new_tokens`` tokens. False if blocks ran out."""
         if req.num_computed_tokens + num_new_tokens <= len(req.block_table) * self.block_size:
             return True  # its blocks already have room (most decode steps)
@@ -97,7 +118,7 @@ class KVCacheManager:
         req.block_table += self.allocator.allocate(needed)
         return True
 
-    def cache_computed(self, req: Request) -> None:
+    def cache_computed(self, req: PagedSequence) -> None:
         """Offer the request's computed full blocks to the prefix cache (the request keeps its own refs).
 
         Called when a prompt is fully computed, so requests admitted later can share it while this one
@@ -118,7 +139,7 @@ class KVCacheManager:
             cache.unlock(req.prefix_node)
         req.prefix_node = node
 
-    def release(self, req: Request) -> None:
+    def release(self, req: PagedSequence) -> None:
         """Drop all of a request's blocks (finish, abort or preemption), caching what it computed."""
         self.cache_computed(req)
         if req.block_table:

@@ -8,13 +8,15 @@ print(outs[0].outputs[0].text)
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from nanolab.engine import Engine, EngineConfig
-from nanolab.request import RequestOutput
-from nanolab.sampling import SamplingParams
+from nanolab.engine.config import EngineConfig
+from nanolab.engine.engine import Engine
+from nanolab.engine.request import RequestOutput
+from nanolab.model.sampling import SamplingParams
 
 Prompt = str | list[int]
 
@@ -26,7 +28,8 @@ class LLM:
     `nanolab.load_model` reads (nanolab or Hugging Face), or a `Transformer` already in memory.
     ``block_allocator``, ``prefix_cache`` and ``scheduler`` take a class (or instance) following
     `BlockAllocatorProtocol`, `PrefixCacheProtocol` or `SchedulerProtocol`: a learner's own component
-    plugs in here. The other arguments are those of `EngineConfig`.
+    plugs in here. Engine settings are given as keywords (``max_num_seqs=8``, ``block_size=4``: the
+    fields of `EngineConfig`, checked by name) or as one ``config=EngineConfig(...)``.
     """
 
     def __init__(
@@ -34,22 +37,18 @@ class LLM:
         model: str | Path | Any = None,
         tokenizer: Any = None,
         *,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int | None = None,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        scheduling_policy: str = "fcfs",
-        attention_backend: str = "auto",
         block_allocator: Any = None,
         prefix_cache: Any = None,
         scheduler: Any = None,
+        config: EngineConfig | None = None,
+        **settings: Any,
     ) -> None:
-        from nanolab.loading import load_model, load_tokenizer
-        from nanolab.model import Transformer
+        from nanolab.model.loading import load_model, load_tokenizer
+        from nanolab.model.transformer import Transformer
 
+        if config is not None and settings:
+            raise TypeError("give either config=EngineConfig(...) or engine settings as keywords, not both")
+        config = config or EngineConfig.from_kwargs(**settings)  # checks the names before loading anything
         if isinstance(model, Transformer):
             self.model = model
         else:
@@ -57,18 +56,12 @@ class LLM:
             if tokenizer is None:
                 tokenizer = load_tokenizer(model)
         self.tokenizer = tokenizer
-        config = EngineConfig(
-            block_size=block_size,
-            num_blocks=num_blocks,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill,
-            scheduling_policy=scheduling_policy,
-            attention_backend=attention_backend,
-        )
         self.engine = Engine(self.model, tokenizer, config, block_allocator, prefix_cache, scheduler)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> LLM:
+        """The `LLM` that a command's ``--model`` and engine flags describe (see `nanolab.cli`)."""
+        return cls(args.model, config=EngineConfig.from_cli_args(args))
 
     def _add_all(
         self,

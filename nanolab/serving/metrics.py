@@ -28,8 +28,8 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from nanolab.engine import Engine
-    from nanolab.request import RequestOutput
+    from nanolab.engine.engine import Engine
+    from nanolab.engine.request import RequestOutput
 
 Sample = tuple[str, dict[str, str], float]  # (name with suffix, labels, value)
 
@@ -193,7 +193,7 @@ class Registry:
 
 
 class ServerMetrics:
-    """What `nanolab serve` exports on /metrics. The engine thread updates it; see `nanolab.async_engine`."""
+    """What `nanolab serve` exports on /metrics. The engine thread updates it; see `nanolab.serving.async_engine`."""
 
     def __init__(self, prefix: str = "nanolab") -> None:
         r = self.registry = Registry()
@@ -268,12 +268,12 @@ class ServerMetrics:
     def observe_engine(self, engine: Engine) -> None:
         """Copy the engine's current state into the gauges."""
         stats = engine.stats()
-        allocator, cache = engine.kv.allocator, engine.kv.prefix_cache
+        allocator, cache = engine.block_manager.allocator, engine.block_manager.prefix_cache
         self.mean_batch_size.set(stats["mean_batch_size"])
         self.running.set(len(engine.scheduler.running))
         self.waiting.set(len(engine.scheduler.waiting))
         self.kv_total.set(allocator.num_total)
         self.kv_free.set(allocator.num_free)
-        self.kv_cached.set(cache.total_size // engine.kv.block_size if cache is not None else 0)
-        self.kv_usage.set(engine.kv.usage())
+        self.kv_cached.set(cache.total_size // engine.block_manager.block_size if cache is not None else 0)
+        self.kv_usage.set(engine.block_manager.usage())
         self.prefix_hit_rate.set(stats["prefix_hit_rate"])

@@ -20,7 +20,7 @@ Deliberately left out: caching partial blocks. Only whole blocks are cached and 
 size is 1). Also left out: a host-memory tier, cache-aware scheduling, and keys beyond token ids.
 
 Example:
-    >>> from nanolab.block_allocator import PyBlockAllocator
+    >>> from nanolab.memory.block_allocator import PyBlockAllocator
     >>> allocator = PyBlockAllocator(8)
     >>> cache = RadixCache(allocator, block_size=2)
     >>> blocks = allocator.allocate(2)  # a finished request's KV for [1, 2, 3, 4]
@@ -41,8 +41,8 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from nanolab.block_allocator import BlockAllocatorProtocol
-from nanolab.prefix_cache import MatchResult, PrefixCacheProtocol, PrefixCacheStats
+from nanolab.memory.block_allocator import BlockAllocatorProtocol
+from nanolab.memory.prefix_cache import MatchResult, PrefixCacheProtocol, PrefixCacheStats
 
 __all__ = ["MatchResult", "PrefixCacheProtocol", "PrefixCacheStats", "RadixCache", "RadixNode"]
 

@@ -1,4 +1,4 @@
-"""The backends behind `nanolab.attention`: gather-then-SDPA in PyTorch, and the C++ kernel.
+"""The backends behind `nanolab.memory.paged_attention`: gather-then-SDPA in PyTorch, and the C++ kernel.
 
 The torch backend is the readable one: copy the sequence's blocks into one contiguous (ctx, n_kv_heads,
 head_dim) tensor, then run ordinary attention over it. The copy is the price of paging in PyTorch; the
@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from nanolab import _ext
+from nanolab.memory.paging import cdiv
+from nanolab.model.attention import sdpa
 
 Backend = Literal["auto", "cpp", "torch"]
 
@@ -147,8 +149,7 @@ def resolve(
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
     """One sequence's keys (or values) copied out of the blocks: (context_len, n_kv_heads, head_dim)."""
     block_size = cache.shape[1]
-    n_blocks = -(-context_len // block_size)
-    return cache[block_table[:n_blocks].long()].flatten(0, 1)[:context_len]
+    return cache[block_table[: cdiv(context_len, block_size)].long()].flatten(0, 1)[:context_len]
 
 
 def torch_decode(
@@ -163,7 +164,7 @@ def torch_decode(
     B, n_heads, head_dim = q.shape
     _, block_size, n_kv_heads, _ = k_cache.shape
     L = int(context_lens.max())
-    n_blocks = -(-L // block_size)
+    n_blocks = cdiv(L, block_size)
     offsets = torch.arange(block_size)
     slots = (block_tables[:, :n_blocks].long()[:, :, None] * block_size + offsets).flatten(1)[:, :L]  # (B, L)
     valid = torch.arange(L) < context_lens[:, None]  # (B, L)
@@ -193,23 +194,12 @@ def torch_prefill(
     scale: float,
 ) -> torch.Tensor:
     """One sequence's newest q_len tokens over its gathered context, causally."""
-    q_len, n_heads, _ = q.shape
+    q_len = q.shape[0]
     k = gather_kv(k_cache, block_table, context_len)  # (ctx, nkv, hs)
     v = gather_kv(v_cache, block_table, context_len)
     first = context_len - q_len  # position of the first query token
     mask = None if first == 0 else torch.arange(context_len) <= torch.arange(first, context_len)[:, None]
-    # 4-D inputs: PyTorch's fused CPU kernel takes (batch, heads, len, dim); 3-D ones fall back to
-    # a much slower path when enable_gqa is set.
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],
-        k.transpose(0, 1)[None],
-        v.transpose(0, 1)[None],
-        attn_mask=mask,
-        is_causal=first == 0,
-        scale=scale,
-        enable_gqa=n_heads != k.shape[1],
-    )  # (1, nh, q_len, hs)
-    return out[0].transpose(0, 1)
+    return sdpa(q, k, v, mask=mask, causal=first == 0, scale=scale)
 
 
 def cpp_attention(

@@ -34,10 +34,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nanolab.engine import Engine
-from nanolab.metrics import ServerMetrics
-from nanolab.request import RequestOutput
-from nanolab.sampling import SamplingParams
+from nanolab.engine.engine import Engine
+from nanolab.engine.request import RequestOutput
+from nanolab.model.sampling import SamplingParams
+from nanolab.serving.metrics import ServerMetrics
 
 log = logging.getLogger("nanolab.server")
 

@@ -6,7 +6,7 @@ Text becomes token ids in three steps, the same three as GPT-2/GPT-4's tiktoken 
    reserved id each and never take part in merges);
 2. split each stretch between them into chunks with a regex (``pattern``: "gpt2", "gpt4" or your
    own), so that merges never cross, say, a word and the space before the next one;
-3. encode each chunk's UTF-8 bytes with the learned merges (`nanolab.bpe.bpe_encode`).
+3. encode each chunk's UTF-8 bytes with the learned merges (`nanolab.text.bpe.bpe_encode`).
 
 Ids: 0..255 are the raw bytes, ``256 + i`` is the token made by merge ``i``, and the special tokens
 come after the merges. A token's id is its merge rank, and no two tokens share a byte string, so
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Literal
 import regex
 from tqdm.auto import tqdm
 
-from nanolab.bpe import Pair, bpe_encode, train_merges
+from nanolab.text.bpe import Pair, bpe_encode, train_merges
 
 if TYPE_CHECKING:
     import tiktoken
@@ -182,7 +182,7 @@ class Tokenizer:
         """Learn ``vocab_size - 256 - len(special_tokens)`` merges from ``text``.
 
         The text is cut at the special tokens (so no merge spans one), split with ``pattern``, and the
-        distinct chunks are counted; training then runs on the chunk counts (`nanolab.bpe.train_merges`:
+        distinct chunks are counted; training then runs on the chunk counts (`nanolab.text.bpe.train_merges`:
         most frequent pair first, ties to the smallest pair of ids). ``verbose`` shows a progress bar.
         Raises ValueError when ``vocab_size`` leaves no room for the 256 bytes and the special tokens,
         or when the text runs out of pairs to merge before reaching ``vocab_size``.

@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache, and the dense reference it must agree with.
+"""Paged attention: each sequence's queries attend over keys and values read through its block table.
 
 The paged layout (one pair of tensors per layer, shared by every running sequence):
 
@@ -17,7 +17,7 @@ Backends: ``"torch"`` gathers each sequence's blocks into a contiguous tensor an
 scaled-dot-product attention; ``"cpp"`` is the kernel in ``nanolab._C`` (csrc/paged_attention.cpp),
 which reads the blocks in place, fp32 only; ``"auto"`` takes the C++ kernel when it is built, the
 tensors are CPU float32 and the query chunks are short (decode), else torch. Both backends agree
-with `dense_causal_attention` within 1e-5 (absolute and relative, fp32 against a float64 reference).
+with `nanolab.model.attention.dense_causal_attention` within 1e-5 (absolute and relative, fp32 against a float64 reference).
 
 Deliberately left out: autograd through the paged paths (they serve inference), sliding windows,
 ALiBi/soft-capping, and quantised caches.
@@ -29,52 +29,22 @@ import math
 
 import torch
 
-from nanolab import paged_attention as _backends
-from nanolab.paged_attention import HAS_CPP_KERNEL, Backend, gather_kv
+from nanolab.memory import attention_backends as _backends
+from nanolab.memory.attention_backends import HAS_CPP_KERNEL, Backend, gather_kv
 
 __all__ = [
     "HAS_CPP_KERNEL",
     "Backend",
-    "dense_causal_attention",
     "gather_kv",
     "paged_attention",
     "paged_decode_attention",
     "paged_prefill_attention",
-    "slots_for_positions",
     "write_kv",
 ]
 
 
-def dense_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
-) -> torch.Tensor:
-    """Causal attention over one sequence, written out in full: the reference every backend matches.
-
-    q: (T, n_heads, head_dim); k, v: (T, n_kv_heads, head_dim) -> (T, n_heads, head_dim). Token i
-    attends to tokens 0..i.
-    """
-    T, n_heads, head_dim = q.shape
-    if k.shape != v.shape or k.shape[0] != T or k.shape[2] != head_dim or n_heads % k.shape[1]:
-        raise ValueError(f"q {tuple(q.shape)} does not fit k {tuple(k.shape)} / v {tuple(v.shape)}")
-    group = n_heads // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)  # (T, nh, hs): head h uses kv head h // group
-    v = v.repeat_interleave(group, dim=1)
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # (nh, T, T)
-    future = torch.ones(T, T, dtype=torch.bool).triu(diagonal=1)
-    scores = scores.masked_fill(future, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
-
-
-def slots_for_positions(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Slot of each position of one sequence: ``block_table[pos // block_size] * block_size + pos % block_size``.
-
-    Example:
-        >>> slots_for_positions(torch.tensor([7, 2]), torch.tensor([14, 15, 16]), block_size=16)
-        tensor([126, 127,  32])
-    """
-    positions = positions.long()
-    return block_table.long()[positions // block_size] * block_size + positions % block_size
+def _default_scale(q: torch.Tensor, scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
 
 
 def write_kv(
@@ -138,7 +108,7 @@ def paged_decode_attention(
             f"decode takes one query token per sequence: q has {q.shape[0]} tokens but block_tables "
             f"has {block_tables.shape[0]} rows"
         )
-    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
+    scale = _default_scale(q, scale)
     if q.shape[0] == 0:
         return q.new_empty(q.shape)
     if _backends.resolve(backend, q, k_cache, v_cache) == "cpp":
@@ -174,7 +144,7 @@ def paged_prefill_attention(
     if q_len == 0:
         return q.new_empty(q.shape)
     _backends.check_values(tables, lens, torch.tensor([q_len]), k_cache.shape, single=True)
-    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
+    scale = _default_scale(q, scale)
     if _backends.resolve(backend, q, k_cache, v_cache, prefill_len=q_len) == "cpp":
         qsl = torch.tensor([0, q_len], dtype=torch.int32)
         return _backends.cpp_attention(q, k_cache, v_cache, tables, lens, qsl, scale)
@@ -209,7 +179,7 @@ def paged_attention(
             f"query_start_loc must rise from 0 to the number of query tokens ({q.shape[0]}), "
             f"got {query_start_loc.tolist()}"
         )
-    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
+    scale = _default_scale(q, scale)
     if q.shape[0] == 0:
         return q.new_empty(q.shape)
     if _backends.resolve(backend, q, k_cache, v_cache, prefill_len=int(q_lens.max())) == "cpp":

@@ -1,0 +1,8 @@
+"""KV memory: where every running request's keys and values live (Labs 3 and 6 build it).
+
+`paging` (the block arithmetic, written once), `block_allocator` (free list and reference counts; the
+C++ class or its Python twin), `block_manager` (a block table per request on top of an allocator and a
+prefix cache), `paged_kv_cache` (the pool of KV tensors the model attends through), `paged_attention`
+and `attention_backends` (attention that reads keys and values through block tables: torch gather or
+the C++ kernel), `prefix_cache` (the contract of a prefix cache) and `radix_cache` (the reference one).
+"""
