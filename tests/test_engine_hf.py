@@ -47,4 +47,4 @@ def test_engine_matches_hf_generate_on_32_mixed_requests(kind, tmp_path, record_
             ties += 1
     record_property("near_ties", ties)
     print(f"{kind}: near-ties accepted: {ties}")
-    assert llm.stats()["prefix_hit_rate"] > 0
+    assert llm.stats().prefix_hit_rate > 0

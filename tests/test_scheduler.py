@@ -181,7 +181,7 @@ def test_preemption_picks_the_lowest_priority_then_latest_admitted():
 @pytest.mark.parametrize(
     ("prompt", "params", "kwargs", "match"),
     [
-        ([], SamplingParams(), {}, "the prompt is empty"),
+        ([], SamplingParams(), {}, "the prompt is an empty list of token ids"),
         ([1] * 120, SamplingParams(max_tokens=16), {}, r"136 > max_model_len 128; shorten the prompt"),
         (
             [1] * 10,
@@ -212,11 +212,11 @@ def test_abort_frees_the_requests_blocks():
     )
     engine.step()
     engine.step()
-    assert req.block_table and engine.block_manager.allocator.num_free < engine.num_blocks
+    assert req.block_table and engine.block_manager.allocator.num_free < engine.config.num_blocks
     out = engine.abort(req.request_id)
     assert out.finished and out.outputs[0].finish_reason == "abort"
     assert req.status is RequestStatus.FINISHED
-    assert engine.block_manager.allocator.num_free == engine.num_blocks
+    assert engine.block_manager.allocator.num_free == engine.config.num_blocks
     assert not engine.has_unfinished()
 
 

@@ -8,45 +8,43 @@ batching.
 
 The engine is assembled from swappable parts, each behind a small protocol: the block allocator
 (`BlockAllocatorProtocol`), the prefix cache (`PrefixCacheProtocol`), the scheduler
-(`SchedulerProtocol`) and the attention backend of the paged cache.
+(`SchedulerProtocol`) and the attention backend of the paged cache. Requests enter through
+`add_requests` (see `nanolab.engine.prompt`); observers see the engine through the `StepRecord` each
+step sends to its listeners and the `EngineStats` snapshot of `stats` (see `nanolab.engine.stats`).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from nanolab.engine.config import EngineConfig
+from nanolab.engine.prompt import Prompt, PromptProcessor, as_prompt_list
 from nanolab.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from nanolab.engine.scheduler import Scheduler, SchedulerProtocol
+from nanolab.engine.stats import EngineStats, StepListener, StepRecord
 from nanolab.memory.block_allocator import BlockAllocator, BlockAllocatorProtocol
 from nanolab.memory.block_manager import BlockManager
 from nanolab.memory.paged_kv_cache import PagedKVCache, SeqSlice
-from nanolab.memory.paging import cdiv
 from nanolab.memory.prefix_cache import PrefixCacheProtocol
 from nanolab.memory.radix_cache import RadixCache
 from nanolab.model.sampling import SamplingParams, sample
 from nanolab.model.transformer import Transformer
 
 
-@dataclass
-class EngineStats:
-    """Counters since the engine started (see `Engine.stats`)."""
+class EngineStepError(RuntimeError):
+    """A step raised; the requests it was running were aborted and their KV blocks freed.
 
-    steps: int = 0
-    scheduled_seqs: int = 0  # sum over steps of requests in the batch
-    batched_tokens: int = 0  # prompt + decode tokens computed
-    prompt_tokens: int = 0  # prompt tokens of admitted requests
-    generated_tokens: int = 0
-    finished_requests: int = 0
-    busy_time: float = 0.0  # seconds spent inside step()
-    forward_time: float = 0.0  # of which in the model forward + logits
-    peak_kv_usage: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
+    ``outputs`` holds their final outputs (finish reason "abort"); the cause is chained.
+    """
+
+    def __init__(self, message: str, outputs: list[RequestOutput]) -> None:
+        super().__init__(message)
+        self.outputs = outputs
 
 
 class Engine:
@@ -60,13 +58,12 @@ class Engine:
         block_allocator: type | BlockAllocatorProtocol | None = None,
         prefix_cache: type | PrefixCacheProtocol | None = None,
         scheduler: type | SchedulerProtocol | None = None,
+        listeners: Sequence[StepListener] = (),
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         cfg = (config or EngineConfig()).resolve(model.config)
         self.config = cfg
-        self.max_model_len = cfg.max_model_len
-        self.num_blocks = cfg.num_blocks
 
         allocator = _build(block_allocator, BlockAllocator, cfg.num_blocks)
         if allocator.num_total != cfg.num_blocks:
@@ -83,9 +80,12 @@ class Engine:
         self.scheduler = _build(scheduler, Scheduler, cfg, self.block_manager)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self._ids = itertools.count()
-        self.stats_ = EngineStats()
-        # Set to a list to record (requests, tokens, forward seconds, step seconds) for every step.
-        self.step_log: list[tuple[int, int, float, float]] | None = None
+        self.listeners = tuple(listeners)
+        self.prompts = PromptProcessor(tokenizer, model.config.vocab_size, cfg)
+        # counters behind stats()
+        self._steps = self._scheduled_seqs = self._batched_tokens = 0
+        self._generated_tokens = self._finished_requests = 0
+        self._busy_seconds = self._forward_seconds = self._peak_kv_usage = 0.0
         # Each token's bytes, looked up once here rather than decoded for every generated token;
         # special tokens (end-of-text, ...) add no text.
         self._token_bytes: list[bytes | None] | None = None
@@ -98,62 +98,50 @@ class Engine:
 
     # -- requests -----------------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a prompt given as text or as token ids."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: pass the prompt as a list of token ids")
-            return prompt, self.tokenizer.encode(prompt, allowed_special="all")
-        return None, [int(t) for t in prompt]
+    def add_requests(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: int | Sequence[int] = 0,
+        request_ids: Sequence[str] | None = None,
+    ) -> list[Request]:
+        """Queue one request per prompt, all or none.
+
+        ``prompts``: one prompt (text or token ids) or a list of them. ``sampling_params`` and
+        ``priority``: one for all, or one each. Every prompt is tokenized and checked before any is
+        queued: a `nanolab.engine.prompt.PromptError` (a `ValueError`) names the first that could never
+        run, and the engine is left untouched.
+        """
+        items = as_prompt_list(prompts)
+        n = len(items)
+        params = _one_each(sampling_params or SamplingParams(), n, "SamplingParams", SamplingParams)
+        priorities = _one_each(priority, n, "priorities", int)
+        if request_ids is None:
+            request_ids = [str(next(self._ids)) for _ in range(n)]
+        elif len(request_ids) != n:
+            raise ValueError(f"got {n} prompts but {len(request_ids)} request ids")
+        taken = [rid for rid in request_ids if rid in self.requests]
+        if taken or len(set(request_ids)) != n:
+            raise ValueError(f"request id {(taken or request_ids)[0]!r} is already in use")
+        processed = self.prompts.process(items, params)
+        requests = []
+        for (ids, text), sp, prio, rid in zip(processed, params, priorities, request_ids):
+            req = Request(rid, ids, sp, prompt=text, priority=prio, token_bytes=self._token_bytes)
+            self.requests[rid] = req
+            self.scheduler.add(req)
+            requests.append(req)
+        return requests
 
     def add_request(
         self,
-        prompt: str | list[int],
+        prompt: Prompt,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
-        prompt_text: str | None = None,
     ) -> Request:
-        """Queue a request. Raises `ValueError` at once for a request that could never run."""
-        params = sampling_params or SamplingParams()
-        text, ids = self.tokenize(prompt)
-        self.check_request(ids, params)
-        rid = str(next(self._ids)) if request_id is None else request_id
-        if rid in self.requests:
-            raise ValueError(f"request id {rid!r} is already in use")
-        req = Request(
-            rid, ids, params, prompt=text or prompt_text, priority=priority, token_bytes=self._token_bytes
-        )
-        self.requests[rid] = req
-        self.scheduler.add(req)
-        return req
-
-    def check_request(self, ids: list[int], params: SamplingParams) -> None:
-        """Raise `ValueError` (saying which limit and how to change it) for a request that could never run."""
-        P, M, L = len(ids), params.max_tokens, self.max_model_len
-        if P == 0:
-            raise ValueError("the prompt is empty; give at least one token")
-        vocab = self.model.config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        if P + M > L:
-            raise ValueError(
-                f"the prompt has {P} tokens and max_tokens is {M}: {P + M} > max_model_len {L}; "
-                "shorten the prompt, lower max_tokens or raise max_model_len"
-            )
-        need = cdiv(P + M, self.config.block_size)
-        if need > self.num_blocks:
-            raise ValueError(
-                f"the request needs up to {need} KV blocks ({P} prompt + {M} output tokens) but the pool has only "
-                f"{self.num_blocks}; raise num_blocks or lower max_tokens"
-            )
-        budget = self.config.max_num_batched_tokens
-        if not self.config.enable_chunked_prefill and P > budget:
-            raise ValueError(
-                f"the prompt has {P} tokens but, without chunked prefill, a prompt must fit in one step of "
-                f"max_num_batched_tokens={budget}; raise it or enable chunked prefill"
-            )
+        """Queue one request (see `add_requests`)."""
+        ids = None if request_id is None else [request_id]
+        return self.add_requests([prompt], sampling_params, priority, ids)[0]
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its KV blocks are freed. Returns its final output (None if unknown/finished)."""
@@ -169,20 +157,39 @@ class Engine:
 
     # -- the step -----------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Run one engine step; returns an output for every request that produced a token or finished.
 
         With ``finished_only`` it returns outputs for the requests that finished in this step only
         (what offline generation needs; it skips building a streaming delta for every running request).
+
+        If anything in the step raises, the requests it was running are aborted (their blocks freed)
+        and `EngineStepError` is raised with their final outputs; the engine can go on stepping. When
+        the failure comes before a batch exists (admitting a request), the waiting requests are the
+        ones aborted, or the next step would fail the same way.
         """
+        self._in_flight: list[Request] | None = None
+        try:
+            return self._step(finished_only)
+        except Exception as exc:
+            waiting = [r for r in self.requests.values() if r.status is not RequestStatus.RUNNING]
+            victims = self._in_flight if self._in_flight is not None else waiting
+            outputs = [out for r in victims if (out := self.abort(r.request_id)) is not None]
+            raise EngineStepError(
+                f"the engine step failed ({type(exc).__name__}: {exc}); {len(outputs)} request(s) were aborted",
+                outputs,
+            ) from exc
+
+    @torch.inference_mode()
+    def _step(self, finished_only: bool) -> list[RequestOutput]:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if not out:
-            if self.scheduler.running or not self.scheduler.waiting:
+            if any(r.status is RequestStatus.RUNNING for r in self.requests.values()) or not self.requests:
                 return []
             raise RuntimeError("the scheduler admitted nothing although no request is running")
         batch = out.scheduled
+        self._in_flight = [r for r, _ in batch]
         seqs, ids = [], []
         sample_rows, to_sample, prefilled = [], [], []
         row = 0
@@ -222,17 +229,17 @@ class Engine:
             if reason is not None or not finished_only:
                 outputs.append(RequestOutput.of(r, has_text))
 
-        st = self.stats_
-        st.steps += 1
-        st.scheduled_seqs += len(batch)
-        st.batched_tokens += out.num_tokens
-        st.generated_tokens += len(next_ids)
-        st.forward_time += t2 - t1
-        step_time = time.perf_counter() - t0
-        st.busy_time += step_time
-        if self.step_log is not None:
-            self.step_log.append((len(batch), out.num_tokens, t2 - t1, step_time))
-        st.peak_kv_usage = max(st.peak_kv_usage, self.block_manager.usage())
+        step_seconds = time.perf_counter() - t0
+        record = StepRecord(len(batch), out.num_tokens, len(next_ids), t2 - t1, step_seconds)
+        self._steps += 1
+        self._scheduled_seqs += record.num_seqs
+        self._batched_tokens += record.num_tokens
+        self._generated_tokens += record.num_generated
+        self._forward_seconds += record.forward_seconds
+        self._busy_seconds += record.step_seconds
+        self._peak_kv_usage = max(self._peak_kv_usage, self.block_manager.usage())
+        for listener in self.listeners:
+            listener(record)
         return outputs
 
     def _stop_reason(self, r: Request, tok: int) -> FinishReason | None:
@@ -243,7 +250,7 @@ class Engine:
             return FinishReason.STOP
         if p.stop and self._truncate_at_stop(r):
             return FinishReason.STOP
-        if len(r.output_token_ids) >= p.max_tokens or r.num_tokens >= self.max_model_len:
+        if len(r.output_token_ids) >= p.max_tokens or r.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
         return None
 
@@ -266,31 +273,34 @@ class Engine:
         r.status = RequestStatus.FINISHED
         r.finish_reason = reason
         r.finish_time = time.monotonic()
-        self.stats_.finished_requests += 1
+        self._finished_requests += 1
         del self.requests[r.request_id]  # the engine forgets finished requests (its caller has the output)
 
     # -- introspection ------------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, Any]:
-        st = self.stats_
-        cache = self.block_manager.prefix_cache
-        return {
-            "steps": st.steps,
-            "generated_tokens": st.generated_tokens,
-            "batched_tokens": st.batched_tokens,
-            "finished_requests": st.finished_requests,
-            "throughput_tokens_per_s": st.generated_tokens / st.busy_time if st.busy_time else 0.0,
-            "mean_batch_size": st.scheduled_seqs / st.steps if st.steps else 0.0,
-            "forward_fraction": st.forward_time / st.busy_time if st.busy_time else 0.0,
-            "kv_blocks_total": self.num_blocks,
-            "kv_block_usage": self.block_manager.usage(),
-            "peak_kv_block_usage": st.peak_kv_usage,
-            "prefix_hit_rate": cache.stats().hit_rate if cache is not None else 0.0,
-            "prefix_cached_tokens": cache.stats().cached_tokens if cache is not None else 0,
-            "preemptions": getattr(self.scheduler, "num_preemptions", 0),
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-        }
+    def stats(self) -> EngineStats:
+        """A snapshot of the counters and of the engine's state now (see `EngineStats`)."""
+        allocator, cache = self.block_manager.allocator, self.block_manager.prefix_cache
+        prefix = cache.stats() if cache is not None else None
+        running = sum(r.status is RequestStatus.RUNNING for r in self.requests.values())
+        return EngineStats(
+            steps=self._steps,
+            generated_tokens=self._generated_tokens,
+            batched_tokens=self._batched_tokens,
+            finished_requests=self._finished_requests,
+            busy_seconds=self._busy_seconds,
+            forward_seconds=self._forward_seconds,
+            mean_batch_size=self._scheduled_seqs / self._steps if self._steps else 0.0,
+            peak_kv_block_usage=self._peak_kv_usage,
+            preemptions=getattr(self.scheduler, "num_preemptions", 0),
+            num_running=running,
+            num_waiting=len(self.requests) - running,
+            kv_blocks_total=allocator.num_total,
+            kv_blocks_free=allocator.num_free,
+            kv_blocks_cached=cache.total_size // self.config.block_size if cache is not None else 0,
+            prefix_hit_rate=prefix.hit_rate if prefix is not None else 0.0,
+            prefix_cached_tokens=prefix.cached_tokens if prefix is not None else 0,
+        )
 
 
 def _build(given: Any, default: type, *args: Any) -> Any:
@@ -300,3 +310,13 @@ def _build(given: Any, default: type, *args: Any) -> Any:
     if isinstance(given, type) or (callable(given) and not hasattr(given, "allocate")):
         return given(*args)
     return given
+
+
+def _one_each(value: Any, n: int, what: str, kind: type) -> list:
+    """``value`` for each of n prompts: one for all (an instance of ``kind``), or a sequence of n."""
+    if isinstance(value, kind) and not isinstance(value, bool):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"got {n} prompts but {len(values)} {what}; give one for all or one each")
+    return values

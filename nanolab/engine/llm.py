@@ -15,10 +15,10 @@ from typing import Any
 
 from nanolab.engine.config import EngineConfig
 from nanolab.engine.engine import Engine
+from nanolab.engine.prompt import Prompt
 from nanolab.engine.request import RequestOutput
+from nanolab.engine.stats import EngineStats, StepListener
 from nanolab.model.sampling import SamplingParams
-
-Prompt = str | list[int]
 
 
 class LLM:
@@ -28,7 +28,7 @@ class LLM:
     `nanolab.load_model` reads (nanolab or Hugging Face), or a `Transformer` already in memory.
     ``block_allocator``, ``prefix_cache`` and ``scheduler`` take a class (or instance) following
     `BlockAllocatorProtocol`, `PrefixCacheProtocol` or `SchedulerProtocol`: a learner's own component
-    plugs in here. Engine settings are given as keywords (``max_num_seqs=8``, ``block_size=4``: the
+    plugs in here. ``listeners`` are called with each step's `StepRecord`. Engine settings are given as keywords (``max_num_seqs=8``, ``block_size=4``: the
     fields of `EngineConfig`, checked by name) or as one ``config=EngineConfig(...)``.
     """
 
@@ -41,6 +41,7 @@ class LLM:
         prefix_cache: Any = None,
         scheduler: Any = None,
         config: EngineConfig | None = None,
+        listeners: Sequence[StepListener] = (),
         **settings: Any,
     ) -> None:
         from nanolab.model.loading import load_model, load_tokenizer
@@ -56,7 +57,9 @@ class LLM:
             if tokenizer is None:
                 tokenizer = load_tokenizer(model)
         self.tokenizer = tokenizer
-        self.engine = Engine(self.model, tokenizer, config, block_allocator, prefix_cache, scheduler)
+        self.engine = Engine(
+            self.model, tokenizer, config, block_allocator, prefix_cache, scheduler, listeners=listeners
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> LLM:
@@ -69,30 +72,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         priority: Sequence[int] | None,
     ) -> list[str]:
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]  # one prompt: a string or a list of token ids
-        prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(
-                    f"got {len(prompts)} prompts but {len(params)} SamplingParams; give one or one each"
-                )
-        prios = list(priority) if priority is not None else [0] * len(prompts)
-        if len(prios) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(prios)} priorities")
-        # Check every prompt before queueing any, so a bad one leaves the engine untouched.
-        tokenized = [self.engine.tokenize(p) for p in prompts]
-        for (_, ids), sp in zip(tokenized, params):
-            self.engine.check_request(ids, sp)
-        return [
-            self.engine.add_request(ids, sp, priority=pr, prompt_text=text).request_id
-            for (text, ids), sp, pr in zip(tokenized, params, prios)
-        ]
+        requests = self.engine.add_requests(prompts, sampling_params, 0 if priority is None else priority)
+        return [r.request_id for r in requests]
 
     def generate(
         self,
@@ -133,6 +114,6 @@ class LLM:
                         remaining.discard(out.request_id)
                     yield out
 
-    def stats(self) -> dict[str, Any]:
-        """Engine counters: steps, generated tokens, throughput, mean batch size, KV usage, prefix hits, ..."""
+    def stats(self) -> EngineStats:
+        """Engine counters and state: steps, generated tokens, throughput, mean batch size, KV usage, ..."""
         return self.engine.stats()

@@ -34,18 +34,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nanolab.engine.engine import Engine
+from nanolab.engine.config import EngineConfig
+from nanolab.engine.engine import Engine, EngineStepError
+from nanolab.engine.prompt import Prompt
 from nanolab.engine.request import RequestOutput
 from nanolab.model.sampling import SamplingParams
 from nanolab.serving.metrics import ServerMetrics
 
 log = logging.getLogger("nanolab.server")
 
-Prompt = str | list[int]
-
-
-class EngineStepError(RuntimeError):
-    """An engine step raised while this request was running; the request was stopped."""
+__all__ = ["AsyncEngine", "EngineNotRunning", "EngineStepError", "RequestGroup"]
 
 
 class EngineNotRunning(RuntimeError):
@@ -131,16 +129,25 @@ _STOP = object()
 class AsyncEngine:
     """An `Engine` run by a background thread, driven from asyncio code."""
 
-    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None) -> None:
-        self.engine = engine
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        config: EngineConfig | None = None,
+        *,
+        metrics: ServerMetrics | None = None,
+        **components: Any,
+    ) -> None:
+        """Build the engine this front end owns (``components``: ``block_allocator``, ``prefix_cache``,
+        ``scheduler``, as for `Engine`); the metrics listen to its steps."""
         self.metrics = metrics or ServerMetrics()
+        self.engine = Engine(model, tokenizer, config, listeners=[self.metrics.observe_step], **components)
         self._commands: queue.Queue[Any] = queue.Queue()
         self._live: dict[str, _Live] = {}
         self._outbox: list[Delivery] = []  # outputs of this round, delivered together
         self._mailboxes: dict[asyncio.AbstractEventLoop, _Mailbox] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
-        engine.step_log = []  # per-step (requests, tokens, forward s, step s), drained into the metrics
         self._publish()
 
     # -- the asyncio side ---------------------------------------------------------------------------
@@ -238,31 +245,24 @@ class AsyncEngine:
     def _add(self, cmd: _Add) -> None:
         if not cmd.accepted.set_running_or_notify_cancel():
             return  # the handler gave up waiting (its client left): add nothing
-        engine = self.engine
-        try:
-            # Check every prompt before queueing any, so one bad prompt rejects the whole call.
-            tokenized = [engine.tokenize(p) for p in cmd.prompts]
-            for (_, ids), sp in zip(tokenized, cmd.params):
-                engine.check_request(ids, sp)
+        try:  # all or none: one bad prompt rejects the whole call
+            requests = self.engine.add_requests(cmd.prompts, cmd.params, cmd.priority, cmd.group.request_ids)
         except ValueError as exc:
             cmd.accepted.set_exception(exc)
             return
-        for i, ((text, ids), sp, rid) in enumerate(zip(tokenized, cmd.params, cmd.group.request_ids)):
-            engine.add_request(ids, sp, request_id=rid, priority=cmd.priority, prompt_text=text)
-            self._live[rid] = _Live(cmd.group, i)
-            self.metrics.prompt_tokens.inc(len(ids))
+        for i, req in enumerate(requests):
+            self._live[req.request_id] = _Live(cmd.group, i)
+            self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         cmd.accepted.set_result(None)
 
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as exc:
-            log.exception("an engine step failed; failing the requests it was running")
+        except EngineStepError as err:
+            log.exception("an engine step failed; its requests were aborted")
             self.metrics.step_errors.inc()
-            self._fail_running(exc)
+            self._fail(err)
             return
-        finally:
-            self._drain_step_log()
         now = time.monotonic()
         for out in outputs:
             self._route(out, now)
@@ -276,29 +276,16 @@ class AsyncEngine:
         if out.outputs[0].delta_token_ids:
             live.last_token_time = now
         if out.finished:
-            self._forget(out.request_id)
+            del self._live[out.request_id]
         self._outbox.append((live.group, live.index, out))
 
-    def _fail_running(self, exc: Exception) -> None:
-        sched = self.engine.scheduler
-        # The requests of the failed step are the running ones. If none runs, the failure came from
-        # admitting a waiting request: fail those instead, or the next step would fail the same way.
-        victims = [r.request_id for r in (sched.running or sched.waiting)]
-        error = EngineStepError(f"the engine failed while running this request: {type(exc).__name__}: {exc}")
-        for rid in victims:
-            try:
-                self.engine.abort(rid)  # frees the request's KV blocks
-            except Exception:
-                log.exception("aborting request %s after a failed step also failed", rid)
-            live = self._live.get(rid)
+    def _fail(self, err: EngineStepError) -> None:
+        """The requests of a failed step end with the error (the engine already freed their blocks)."""
+        for out in err.outputs:
+            live = self._live.pop(out.request_id, None)
             if live is not None:
                 self.metrics.requests.inc(status="error")
-                self._forget(rid)
-                self._outbox.append((live.group, live.index, error))
-
-    def _forget(self, rid: str) -> None:
-        self._live.pop(rid, None)
-        self.engine.requests.pop(rid, None)  # the engine keeps finished requests; a server must not
+                self._outbox.append((live.group, live.index, err))
 
     def _stop_all(self) -> None:
         for rid in list(self._live):
@@ -319,10 +306,5 @@ class AsyncEngine:
         self._flush()
         self._publish()
 
-    def _drain_step_log(self) -> None:
-        if self.engine.step_log:
-            self.metrics.observe_steps(self.engine.step_log)
-            self.engine.step_log.clear()
-
     def _publish(self) -> None:
-        self.metrics.observe_engine(self.engine)  # only this thread may read the engine
+        self.metrics.observe_stats(self.engine.stats())  # only this thread may touch the engine

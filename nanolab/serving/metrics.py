@@ -28,8 +28,8 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from nanolab.engine.engine import Engine
     from nanolab.engine.request import RequestOutput
+    from nanolab.engine.stats import EngineStats, StepRecord
 
 Sample = tuple[str, dict[str, str], float]  # (name with suffix, labels, value)
 
@@ -258,22 +258,19 @@ class ServerMetrics:
             self.requests.inc(status=out.outputs[0].finish_reason or "abort")
             self.e2e.observe(now - arrival)
 
-    def observe_steps(self, step_log: list[tuple[int, int, float, float]]) -> None:
-        """Account for steps from `Engine.step_log`: (requests, tokens, forward s, step s) each."""
-        for num_seqs, _tokens, _forward_s, step_s in step_log:
-            self.batch_size.observe(num_seqs)
-            self.step_seconds.inc(step_s)
-        self.steps.inc(len(step_log))
+    def observe_step(self, record: StepRecord) -> None:
+        """A step listener (see `nanolab.engine.stats`): account for one engine step."""
+        self.batch_size.observe(record.num_seqs)
+        self.step_seconds.inc(record.step_seconds)
+        self.steps.inc()
 
-    def observe_engine(self, engine: Engine) -> None:
-        """Copy the engine's current state into the gauges."""
-        stats = engine.stats()
-        allocator, cache = engine.block_manager.allocator, engine.block_manager.prefix_cache
-        self.mean_batch_size.set(stats["mean_batch_size"])
-        self.running.set(len(engine.scheduler.running))
-        self.waiting.set(len(engine.scheduler.waiting))
-        self.kv_total.set(allocator.num_total)
-        self.kv_free.set(allocator.num_free)
-        self.kv_cached.set(cache.total_size // engine.block_manager.block_size if cache is not None else 0)
-        self.kv_usage.set(engine.block_manager.usage())
-        self.prefix_hit_rate.set(stats["prefix_hit_rate"])
+    def observe_stats(self, stats: EngineStats) -> None:
+        """Copy an engine snapshot into the gauges."""
+        self.mean_batch_size.set(stats.mean_batch_size)
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_total.set(stats.kv_blocks_total)
+        self.kv_free.set(stats.kv_blocks_free)
+        self.kv_cached.set(stats.kv_blocks_cached)
+        self.kv_usage.set(stats.kv_block_usage)
+        self.prefix_hit_rate.set(stats.prefix_hit_rate)

@@ -22,9 +22,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from nanolab.engine.prompt import Prompt, PromptError, as_prompt_list
 from nanolab.model.sampling import SamplingParams
-
-Prompt = str | list[int]
 
 # Fields nanolab does not implement, with the value that means "not used".
 _UNSUPPORTED = {
@@ -76,33 +75,10 @@ def parse_prompts(prompt: Any) -> list[Prompt]:
         raise InvalidRequest(
             "the request has no prompt: give 'prompt' as a string or a list of strings", "prompt"
         )
-    if isinstance(prompt, str):
-        prompts: list[Any] = [prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        prompts = [prompt]  # one prompt as token ids
-    elif isinstance(prompt, list):
-        prompts = prompt
-    else:
-        raise InvalidRequest(
-            f"prompt must be a string or a list of strings, got {type(prompt).__name__}", "prompt"
-        )
-    if not prompts:
-        raise InvalidRequest("prompt is an empty list; give at least one prompt", "prompt")
-    for i, p in enumerate(prompts):
-        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-        if isinstance(p, str):
-            if not p:
-                raise InvalidRequest(f"{where} is empty; give at least one character", "prompt")
-        elif isinstance(p, list) and all(_is_int(t) for t in p):
-            if not p:
-                raise InvalidRequest(
-                    f"{where} is an empty list of token ids; give at least one token", "prompt"
-                )
-            if any(t < 0 for t in p):
-                raise InvalidRequest(f"{where} has a negative token id", "prompt")
-        else:
-            raise InvalidRequest(f"{where} must be a string or a list of token ids (integers)", "prompt")
-    return prompts
+    try:
+        return as_prompt_list(prompt)
+    except PromptError as exc:
+        raise InvalidRequest(str(exc), "prompt") from None
 
 
 def parse_completion_request(body: Any, model_name: str) -> CompletionRequest:

@@ -32,11 +32,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanolab.engine.engine import Engine
 from nanolab.engine.request import RequestOutput
 from nanolab.serving import openai_protocol as oa
 from nanolab.serving.async_engine import AsyncEngine, EngineNotRunning, EngineStepError, RequestGroup
-from nanolab.serving.metrics import ServerMetrics
 
 log = logging.getLogger("nanolab.server")
 
@@ -51,14 +49,13 @@ def error_response(status: int, message: str, type: str = "invalid_request_error
     return JSONResponse(oa.error_body(message, type, param, code), status_code=status)
 
 
-def build_app(engine: Engine, model_name: str) -> FastAPI:
-    """The FastAPI app serving ``engine`` under the name ``model_name``.
+def build_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
+    """The FastAPI app serving ``aengine``'s model under the name ``model_name``.
 
     The engine thread starts and stops with the app (its lifespan). ``app.state.async_engine`` and
     ``app.state.metrics`` give tests and embedders access to both.
     """
-    metrics = ServerMetrics()
-    aengine = AsyncEngine(engine, metrics)
+    engine, metrics = aengine.engine, aengine.metrics
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -90,7 +87,7 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
             "object": "model",
             "created": oa.now(),
             "owned_by": "nanolab",
-            "max_model_len": engine.max_model_len,
+            "max_model_len": engine.config.max_model_len,
         }
         return {"object": "list", "data": [card]}
 
@@ -219,18 +216,19 @@ def run_server(args: argparse.Namespace) -> int:
     """`nanolab serve`: load the model, build the app and run uvicorn until interrupted."""
     import uvicorn
 
-    from nanolab.engine.llm import LLM
-    from nanolab.model.loading import resolve_checkpoint
+    from nanolab.engine.config import EngineConfig
+    from nanolab.model.loading import load_model, load_tokenizer, resolve_checkpoint
 
     try:
-        llm = LLM.from_cli_args(args)
+        config = EngineConfig.from_cli_args(args)
+        aengine = AsyncEngine(load_model(args.model), load_tokenizer(args.model), config)
         name = args.served_model_name or resolve_checkpoint(args.model).name
     except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if llm.tokenizer is None:
+    if aengine.engine.tokenizer is None:
         print("warning: this checkpoint has no nanolab tokenizer: send prompts as token ids", file=sys.stderr)
-    app = build_app(llm.engine, name)
+    app = build_app(aengine, name)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
