@@ -140,7 +140,7 @@ def _solution_namespace(name: str = "lab01_tokenizer.ipynb") -> dict:
 
 
 def test_lab01_setup_patterns_are_the_reference_patterns():
-    from nanolab.text.tokenizer import GPT2_PATTERN, GPT4_PATTERN
+    from nanolab.text.pretokenize import GPT2_PATTERN, GPT4_PATTERN
 
     namespace = _solution_namespace()
     assert namespace["GPT2_PATTERN"] == GPT2_PATTERN and namespace["GPT4_PATTERN"] == GPT4_PATTERN

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 import nanolab.text.bpe
 import nanolab.text.tokenizer
 from nanolab.text.bpe import bpe_encode, merge, pair_counts, train_merges
-from nanolab.text.tokenizer import GPT2_PATTERN, GPT4_PATTERN, TOKENIZER_FILENAME, Tokenizer
+from nanolab.text.pretokenize import GPT2_PATTERN, GPT4_PATTERN
+from nanolab.text.tokenizer import TOKENIZER_FILENAME, Tokenizer
 
 tiktoken = pytest.importorskip("tiktoken")
 

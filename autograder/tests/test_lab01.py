@@ -20,7 +20,7 @@ import tiktoken
 
 from autograder.plugin import expect
 from nanolab.text import bpe
-from nanolab.text.tokenizer import GPT4_PATTERN
+from nanolab.text.pretokenize import GPT4_PATTERN
 from nanolab.text.tokenizer import Tokenizer as Reference
 
 ENDOFTEXT = "<|endoftext|>"

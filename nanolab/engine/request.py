@@ -73,11 +73,11 @@ class Request:
     # Each token id's bytes (None: a special token, no text), shared by every request of an engine;
     # None when the engine has no tokenizer. `output_text` decodes through it.
     token_bytes: Sequence[bytes | None] | None = None
-    _text: str = ""  # output_token_ids[:_num_decoded], decoded
-    _num_decoded: int = 0
-    _decoder: Any = None  # incremental UTF-8 decoder over the output bytes
-    _emitted_text: int = 0  # output_text characters already handed out by the stream
-    _emitted_tokens: int = 0
+    _text: str = field(default="", init=False)  # output_token_ids[:_num_decoded], decoded
+    _num_decoded: int = field(default=0, init=False)
+    _decoder: Any = field(default=None, init=False)  # incremental UTF-8 decoder over the output bytes
+    _emitted_text: int = field(default=0, init=False)  # output_text characters already handed out
+    _emitted_tokens: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.generator = make_generator(self.sampling_params.seed)

@@ -52,7 +52,7 @@ class SchedulerOutput:
 
 @runtime_checkable
 class SchedulerProtocol(Protocol):
-    """What the engine needs from a scheduler (a learner's Lab 4 scheduler can stand in).
+    """What the engine needs from a scheduler (a learner's own scheduler can stand in).
 
     The engine calls `add` for each new request, `schedule` once per step, then `finish` for each
     request that finished in that step (`abort` at any time). The scheduler owns the KV blocks of the

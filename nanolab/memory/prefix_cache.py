@@ -3,7 +3,7 @@
 Requests often share a prefix (a system prompt, a few-shot preamble, the earlier turns of a chat). A
 prefix cache keeps the KV blocks of prefixes it has seen, so a new request that starts the same way
 reuses those blocks instead of computing them again. `nanolab.memory.radix_cache.RadixCache` is the reference
-implementation; a learner's Lab 6 cache that follows `PrefixCacheProtocol` can stand in for it.
+implementation; a learner's own cache that follows `PrefixCacheProtocol` can stand in for it.
 
 How the engine drives a prefix cache, for one request:
 

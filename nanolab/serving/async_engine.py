@@ -7,7 +7,7 @@
                                                    engine.step()   (all requests share one batch)
     RequestGroup.queue <-- loop.call_soon_threadsafe -- each step's outputs (one wake-up per step)
 
-One thread owns the `Engine`, so no lock guards it: the engine stays the single-threaded loop of Lab 7,
+One thread owns the `Engine`, so no lock guards it: the engine stays a single-threaded step loop,
 and continuous batching happens by itself because every connection's requests land in the same
 engine. With nothing to do the thread blocks on the command queue (no busy waiting).
 

@@ -41,18 +41,14 @@ import regex
 from tqdm.auto import tqdm
 
 from nanolab.text.bpe import Pair, bpe_encode, train_merges
+from nanolab.text.pretokenize import (
+    check_special_tokens,
+    resolve_pattern,
+    without_surrogates,
+)
 
 if TYPE_CHECKING:
     import tiktoken
-
-# The split patterns of tiktoken's "r50k_base" (GPT-2) and "cl100k_base" (GPT-4) encodings. They
-# need the `regex` package: `re` has no \p{L}.
-GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
-GPT4_PATTERN = (
-    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
-    r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
-)
-PATTERNS = {"gpt2": GPT2_PATTERN, "gpt4": GPT4_PATTERN}
 
 ENDOFTEXT = "<|endoftext|>"  # the end-of-text token's conventional name; the default eos_token
 TOKENIZER_FILENAME = "nanolab_tokenizer.json"
@@ -60,60 +56,6 @@ FORMAT, VERSION = "nanolab-bpe", 1
 _CACHE_SIZE = 1 << 16  # chunks whose encoding is remembered; the cache is emptied when full
 
 AllowedSpecial = Literal["none_raise", "none", "all"] | Collection[str]
-
-
-def resolve_pattern(pattern: str) -> tuple[str | None, str]:
-    """Return ``(name, regex)`` for a pattern name ("gpt2", "gpt4") or a regex string.
-
-    A string made only of letters, digits and underscores is taken as a name and must be known.
-
-    Example:
-        >>> resolve_pattern("gpt2") == ("gpt2", GPT2_PATTERN)
-        True
-        >>> resolve_pattern("[a-z]+|[^a-z]")
-        (None, '[a-z]+|[^a-z]')
-    """
-    if not isinstance(pattern, str):
-        raise TypeError(f"pattern must be a str (a name or a regex), got {type(pattern).__name__}")
-    if pattern in PATTERNS:
-        return pattern, PATTERNS[pattern]
-    for name, known in PATTERNS.items():
-        if pattern == known:
-            return name, known
-    if regex.fullmatch(r"\w+", pattern):
-        raise ValueError(f"unknown pattern name {pattern!r}; use one of {sorted(PATTERNS)} or a regex string")
-    try:
-        regex.compile(pattern)
-    except regex.error as exc:
-        raise ValueError(f"pattern {pattern!r} is not a valid regex: {exc}") from None
-    return None, pattern
-
-
-def _check_special_tokens(special_tokens: Iterable[str] | None) -> list[str]:
-    if special_tokens is None:
-        return []
-    if isinstance(special_tokens, str):
-        raise TypeError(f"special_tokens must be a list of strings, got the string {special_tokens!r}")
-    specials = list(special_tokens)
-    for token in specials:
-        if not isinstance(token, str) or not token:
-            raise ValueError(f"special tokens must be non-empty strings, got {token!r}")
-    duplicates = sorted(t for t, n in Counter(specials).items() if n > 1)
-    if duplicates:
-        raise ValueError(f"special tokens must be distinct; repeated: {duplicates}")
-    return specials
-
-
-def _without_surrogates(text: str) -> str:
-    """Turn surrogate pairs into the characters they stand for and lone surrogates into U+FFFD.
-
-    Python strings may hold surrogates, UTF-8 may not; tiktoken repairs text the same way.
-
-    Example:
-        >>> _without_surrogates("a\\ud83d\\ude00b\\udc00")
-        'a😀b\\ufffd'
-    """
-    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 class Tokenizer:
@@ -153,7 +95,7 @@ class Tokenizer:
             dup = next(t for t in vocab if vocab.count(t) > 1)
             raise ValueError(f"two merges make the same token {dup!r}; each token's bytes must be unique")
 
-        specials = _check_special_tokens(special_tokens)
+        specials = check_special_tokens(special_tokens)
         self._special = {token: len(vocab) + i for i, token in enumerate(specials)}
         self._vocab = vocab + [token.encode("utf-8") for token in specials]  # id -> bytes, for decode
         if eos_token is None and ENDOFTEXT in self._special:
@@ -189,7 +131,7 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        specials = _check_special_tokens(special_tokens)
+        specials = check_special_tokens(special_tokens)
         untrained = cls((), pattern, specials, eos_token)  # checks pattern and eos_token up front
         smallest = 256 + len(specials)
         if not isinstance(vocab_size, int) or vocab_size < smallest:
@@ -200,7 +142,7 @@ class Tokenizer:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
-            text = _without_surrogates(text)
+            text = without_surrogates(text)
         stretches = untrained._special_finder(frozenset(specials)).split(text) if specials else [text]
         chunks = Counter(
             chunk for stretch in stretches for chunk in untrained._split.findall(stretch) if chunk
@@ -270,7 +212,7 @@ class Tokenizer:
         try:
             return self._encode(text, allowed)
         except UnicodeEncodeError:
-            return self._encode(_without_surrogates(text), allowed)
+            return self._encode(without_surrogates(text), allowed)
 
     def _allowed(self, allowed_special: AllowedSpecial) -> frozenset[str]:
         if allowed_special == "all":
