@@ -169,6 +169,9 @@ def _field_comments(cls: type) -> dict[str, str]:
     out = {}
     for node in ast.parse(source).body[0].body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            if node.lineno in comments:
-                out[node.target.id] = comments[node.lineno]
+            # a long field is wrapped by the formatter: its comment sits on a later line of the statement
+            lines = range(node.lineno, (node.end_lineno or node.lineno) + 1)
+            found = [comments[i] for i in lines if i in comments]
+            if found:
+                out[node.target.id] = found[0]
     return out
