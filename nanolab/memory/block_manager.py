@@ -7,6 +7,10 @@ the prompt and on release, evict before giving up on an allocation.
 
 Reference counting invariant: a block's ref count equals the number of its holders, where a holder is a
 request whose block table lists it, or the prefix cache.
+
+Sharing without a prefix cache: `fork` gives a second sequence the blocks of a first (one prompt, several
+samples), and `copy_on_write` gives a sequence its own copy of a shared block just before it writes
+into it, so that no holder ever sees another holder's tokens.
 """
 
 from __future__ import annotations
@@ -117,6 +121,50 @@ class BlockManager:
             return False
         req.block_table += self.allocator.allocate(needed)
         return True
+
+    def fork(self, parent: PagedSequence, child: PagedSequence) -> None:
+        """Make ``child`` share all of ``parent``'s blocks (parallel sampling: one prompt, several samples).
+
+        The child's block table becomes a copy of the parent's, each block gaining one reference, and
+        the child takes the parent's ``num_computed_tokens``; no KV is copied. A shared block must then
+        be written only through `copy_on_write`. Raises ValueError, changing nothing, if the child
+        already holds blocks.
+        """
+        if child.block_table:
+            raise ValueError(
+                f"cannot fork into a sequence that holds {len(child.block_table)} blocks; release it first"
+            )
+        self.allocator.incref(parent.block_table)
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def copy_on_write(self, req: PagedSequence, num_new_tokens: int = 1) -> list[tuple[int, int]] | None:
+        """Give ``req`` private copies of the shared blocks its next ``num_new_tokens`` tokens go into.
+
+        Call it after `grow` and before the forward that writes those tokens. Every block of the table
+        that will receive one of them (positions ``num_computed_tokens ..``) and has another holder (ref
+        count > 1) is replaced in ``req``'s table by a fresh block; the old block loses ``req``'s
+        reference and stays as it is for its other holders. Returns the (src, dst) block pairs whose
+        keys and values the caller copies before the forward (`PagedKVCache.copy_blocks`), [] when
+        nothing is shared, or None, changing nothing, when there are not enough free blocks.
+
+        Example (block size 4: a 6-token prompt forked, then the child writes token 6 into block 1):
+            shared [a, b] -> the child's table becomes [a, c] and the call returns [(b, c)]
+        """
+        bs = self.block_size
+        first = req.num_computed_tokens // bs
+        end = min(cdiv(req.num_computed_tokens + num_new_tokens, bs), len(req.block_table))
+        shared = [i for i in range(first, end) if self.allocator.ref_count(req.block_table[i]) > 1]
+        if not shared:
+            return []
+        if not self._reserve(len(shared)):
+            return None
+        pairs = []
+        for i, dst in zip(shared, self.allocator.allocate(len(shared))):
+            pairs.append((req.block_table[i], dst))
+            req.block_table[i] = dst
+        self.allocator.free([src for src, _ in pairs])  # the other holders keep theirs
+        return pairs
 
     def cache_computed(self, req: PagedSequence) -> None:
         """Offer the request's computed full blocks to the prefix cache (the request keeps its own refs).

@@ -13,6 +13,7 @@ prefill call per prefill chunk (which attends over the request's cached prefix t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -102,6 +103,29 @@ class PagedKVCache:
             self._prefills.append((row, row + n, t, start + n, start == 0))
             row += n
         return torch.from_numpy(np.array(positions, dtype=np.int64))
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """For each (src, dst) pair, make block ``dst`` a copy of block ``src`` in every layer (keys and
+        values): what copy-on-write needs before a forward writes into ``dst`` (see
+        `nanolab.memory.block_manager.BlockManager.copy_on_write`). Every source is read before any
+        block is written. Raises ValueError, copying nothing, for an id outside the pool or a ``dst``
+        named twice."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
+        for name, ids in (("src", src), ("dst", dst)):
+            bad = ids[(ids < 0) | (ids >= self.num_blocks)]
+            if bad.numel():
+                raise ValueError(
+                    f"copy_blocks: {name} block {int(bad[0])} is not a block of the pool (num_blocks = "
+                    f"{self.num_blocks})"
+                )
+        if dst.unique().numel() != dst.numel():
+            raise ValueError("copy_blocks: a dst block is named twice; each copy needs its own block")
+        for k, v in zip(self.k, self.v):
+            k[dst] = k[src]  # k[src] is a gathered copy, so an overlap cannot read a block already written
+            v[dst] = v[src]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.k[layer], self.v[layer]
