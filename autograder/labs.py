@@ -8,12 +8,16 @@ cells never run during grading.
 
 The reference modules a lab mirrors are blocked inside the sandbox while that lab is graded, so a
 learner's `Tokenizer` that is really ``nanolab.Tokenizer`` fails loudly instead of scoring.
+
+Adding a lab starts here, with its `LabSpec` in `LABS`; ``autograder/README.md`` lists the other places.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
+
+from autograder.sandbox import DEFAULT_MEMORY_MB
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,9 @@ class LabSpec:
     graded_cells: MappingProxyType  # grade_id -> names that cell must define (learner's own code)
     blocked_modules: MappingProxyType  # module -> why graded code may not import it
     preload: tuple[str, ...] = ()  # imported in the sandbox before limits apply (speed, address space)
-    memory_mb: int = 1024  # sandbox address space on top of the interpreter and the preloads
+    # Sandbox address space on top of the interpreter and the preloads. Raise it only for a lab that
+    # truly needs more, with the reason in a comment.
+    memory_mb: int = DEFAULT_MEMORY_MB
 
     @property
     def graded_names(self) -> tuple[str, ...]:
@@ -73,7 +79,6 @@ LABS: dict[int, LabSpec] = {
             }
         ),
         preload=("regex",),
-        memory_mb=1024,  # pure-Python BPE on small texts needs far less; MemoryError comes quickly
     ),
     2: LabSpec(
         number=2,
@@ -102,8 +107,8 @@ LABS: dict[int, LabSpec] = {
         ),
         # The models run in the grader: the sandbox gets each layer's q, k, v and sends back the
         # attention, so it needs torch (preloaded: importing it maps a lot of address space) but holds
-        # only small tensors. The solution passes with 256 MB on top of torch; 2048 leaves room for
-        # correct code that materialises more (full score matrices, float64 copies).
+        # only small tensors. The solution passes with 256 MB on top of torch; 2048 (twice the default)
+        # leaves room for correct code that materialises more (full score matrices, float64 copies).
         preload=("torch", "numpy"),
         memory_mb=2048,
     ),

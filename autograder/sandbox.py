@@ -32,7 +32,10 @@ from typing import Any
 from autograder import codec
 from autograder.remote import Remote, RemoteError, SandboxFailure
 
-DEFAULT_MEMORY_MB = 2048
+# Address space a notebook's code may map on top of the interpreter and its preloaded modules, unless
+# its lab asks for more (`LabSpec.memory_mb`) or the instructor sets ``--memory-mb``. The labs' graded
+# code works on small inputs and needs far less; a runaway allocation meets MemoryError quickly.
+DEFAULT_MEMORY_MB = 1024
 
 
 @dataclass(frozen=True)
