@@ -29,7 +29,7 @@ from pathlib import Path
 
 from autograder.labs import LABS, LabSpec
 from autograder.notebook import SubmissionError, notebook_lab, read_notebook, read_submission
-from autograder.results import SubmissionResult, TestResult
+from autograder.results import SubmissionResult
 from autograder.sandbox import Limits
 
 DEFAULT_TESTS_DIR = Path(__file__).resolve().parent / "tests"
@@ -67,7 +67,8 @@ def grade_notebook(path: str | Path, options: GradeOptions, tests: dict[str, byt
     """Grade one notebook in this process (the sandbox is still a separate process)."""
     import pytest
 
-    from autograder.plugin import GradingPlugin, Session
+    from autograder.plugin import GradingPlugin
+    from autograder.session import Session
 
     start = time.monotonic()
     seed = options.seed if options.seed is not None else secrets.randbits(32)
@@ -96,8 +97,8 @@ def grade_notebook(path: str | Path, options: GradeOptions, tests: dict[str, byt
         result.messages.append(result.internal_error)
         return result
 
-    session = Session(submission, spec, options.limits, rejected, options.max_restarts)
-    plugin = GradingPlugin(session, seed)
+    session = Session(submission, spec, options.limits, seed, rejected, options.max_restarts)
+    plugin = GradingPlugin(session)
     with tempfile.TemporaryDirectory(prefix="nanolab-tests-") as tmp:
         for name, source in tests.items():
             (Path(tmp) / name).write_bytes(source)
@@ -127,19 +128,8 @@ def grade_notebook(path: str | Path, options: GradeOptions, tests: dict[str, byt
             session.close()
             _forget_modules(tmp)
     result.confined = session.sandbox.confined if session.sandbox is not None else None
-    result.tests = [
-        TestResult(
-            r.id,
-            r.name,
-            r.max_score if r.status == "passed" else 0.0,
-            r.max_score,
-            r.status,
-            r.output,
-            r.visibility,
-        )
-        for r in plugin.records.values()
-    ]
-    if plugin.collection_errors or (not plugin.records and code not in (0, 1)):
+    result.tests = list(plugin.results.values())
+    if plugin.collection_errors or (not plugin.results and code not in (0, 1)):
         detail = "\n".join(plugin.collection_errors) or log.getvalue()[-1500:]
         result.internal_error = f"the hidden tests for lab {spec.number} could not run:\n{detail}"
         result.messages.append(result.internal_error)
@@ -187,7 +177,7 @@ def _check_tests_unchanged(options: GradeOptions, tests: dict[str, bytes], resul
     for name in set(now) - set(tests):
         (Path(options.tests_dir) / name).unlink(missing_ok=True)
     for test in result.tests:
-        test.score, test.status = 0.0, "failed"
+        test.status = "failed"
     result.messages.append(
         "the hidden test files changed on disk while this notebook was graded; they were restored, "
         "and this notebook gets no credit"

@@ -18,15 +18,25 @@ from typing import Any, TextIO
 
 @dataclass
 class TestResult:
-    """One hidden test's verdict on one submission."""
+    """One hidden test's verdict on one submission.
 
-    id: str  # the test function's name: a stable key (CSV column)
-    name: str  # what it checks, for people
-    score: float
+    The grader makes it when pytest collects the test (failed, "did not run") and updates it as the
+    test's reports come in, so a test that never got to run is still listed, with no points.
+    """
+
+    __test__ = False  # not a pytest test class
+
+    id: str  # the test function's name (an instructor's extra test: prefixed): a stable key, a CSV column
+    name: str  # what it checks, for people: the first line of the test's docstring
     max_score: float
-    status: str  # "passed" or "failed"
-    output: str  # feedback for the learner; empty when passed
-    visibility: str = "visible"
+    visibility: str = "visible"  # Gradescope's: visible, hidden, after_due_date, after_published
+    status: str = "failed"  # "passed" or "failed"
+    output: str = "did not run"  # feedback for the learner; empty when passed
+
+    @property
+    def score(self) -> float:
+        """All of the test's points when it passed, none otherwise."""
+        return self.max_score if self.status == "passed" else 0.0
 
 
 @dataclass

@@ -5,7 +5,7 @@ process group, with stdin closed and its output going to a log file, and talks t
 Every reply is decoded by `autograder.codec` into plain data or `Remote` handles, so what comes back
 cannot run code or fake a comparison here. A call that does not answer within its time limit, or
 whose process dies, raises `SandboxFailure`; the process is then killed and the `Sandbox` is dead
-(the pytest plugin decides whether to start a fresh one).
+(the grading session, `autograder.session`, decides whether to start a fresh one).
 
 Limits: address space (``memory_mb`` on top of what the interpreter and the preloaded modules map),
 CPU seconds, written file size, wall clock per call; writes outside the working directory are
@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ DEFAULT_MEMORY_MB = 1024
 class Limits:
     """Resource limits for one sandboxed process."""
 
-    call_timeout_s: float = 30.0  # wall clock for one proxied call
+    call_timeout_s: float = 30.0  # wall clock for one proxied call (a test may set another for a block)
     load_timeout_s: float = 60.0  # wall clock to start and run the notebook's cells
     cpu_s: int = 600  # CPU seconds over the process's life (background threads included)
     memory_mb: int | None = None  # address space on top of the interpreter and preloads (None: the lab's)
@@ -60,6 +61,9 @@ class Sandbox:
     limits: Limits = field(default_factory=Limits)
     blocked: dict[str, str] = field(default_factory=dict)  # module -> why it is blocked
     preload: tuple[str, ...] = ()
+    # The time limit of the next call, asked before each call. The grader's session owns it (it
+    # changes inside a test's `time_limit` block and outlives restarts); None: limits.call_timeout_s.
+    current_call_timeout: Callable[[], float] | None = None
     generation: int = 0
     confined: bool = False  # writes outside the working directory are refused (Landlock)
     signals_confined: bool = False  # signals to processes outside the sandbox are refused (Landlock ABI 6)
@@ -70,7 +74,6 @@ class Sandbox:
     _wfd: int | None = None
 
     def __post_init__(self) -> None:
-        self.call_timeout = self.limits.call_timeout_s  # may be changed between calls
         self._next_id = secrets.randbits(48)  # request ids: a reply must name the request it answers
 
     # -- life cycle
@@ -204,7 +207,9 @@ class Sandbox:
     def _request(self, message: dict, timeout: float | None) -> Any:
         if not self.alive or self._wfd is None:
             raise SandboxFailure("the submission's process is not running")
-        timeout = self.call_timeout if timeout is None else timeout
+        if timeout is None:
+            ask = self.current_call_timeout
+            timeout = ask() if ask is not None else self.limits.call_timeout_s
         self._next_id += 1
         message = {**message, "id": self._next_id}
         try:

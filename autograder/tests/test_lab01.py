@@ -18,7 +18,7 @@ import pytest
 import regex
 import tiktoken
 
-from autograder.plugin import expect
+from autograder.testing import expect
 from nanolab.text import bpe
 from nanolab.text.pretokenize import GPT4_PATTERN
 from nanolab.text.tokenizer import Tokenizer as Reference

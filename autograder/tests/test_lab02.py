@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import nanolab
-from autograder.plugin import expect
+from autograder.testing import expect
 from nanolab.model.attention import dense_causal_attention
 from nanolab.model.config import ModelConfig
 from nanolab.model.kv_cache import ContiguousKVCache as ReferenceCache
