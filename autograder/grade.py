@@ -5,8 +5,9 @@
 in a sandboxed process (`autograder.sandbox`). Workers are reused across notebooks, ``jobs`` of them
 in parallel. A notebook that cannot be graded gets a zero and a message; the batch always goes on.
 
-The hidden tests are read once, before any submission runs, and every notebook is graded against
-that in-memory copy. Sandboxes cannot write outside their own directory where the kernel has
+The hidden tests (the built-in ones, and an instructor's extra ones in addition) are read once,
+before any submission runs, and every notebook is graded against that in-memory copy
+(`autograder.suite`). Sandboxes cannot write outside their own directory where the kernel has
 Landlock; where it has not, the test files on disk are compared with that copy after each
 notebook, restored if they changed, and the notebook graded then gets no credit.
 """
@@ -14,7 +15,6 @@ notebook, restored if they changed, and the notebook graded then gets no credit.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import multiprocessing
 import secrets
@@ -31,8 +31,21 @@ from autograder.labs import LABS, LabSpec
 from autograder.notebook import SubmissionError, notebook_lab, read_notebook, read_submission
 from autograder.results import SubmissionResult
 from autograder.sandbox import Limits
+from autograder.suite import EXTRA, TestFolder
 
 DEFAULT_TESTS_DIR = Path(__file__).resolve().parent / "tests"
+
+PYTEST_ARGS = [
+    "-q",
+    "--no-header",
+    "--assert=plain",  # feedback is the assertion's own message, never the compared values
+    "--tb=no",
+    "--import-mode=importlib",
+    "-p",
+    "no:cacheprovider",
+    "-W",
+    "ignore::pytest.PytestAssertRewriteWarning",
+]
 
 
 @dataclass(frozen=True)
@@ -40,18 +53,18 @@ class GradeOptions:
     """How to grade: which lab, which hidden tests, what limits."""
 
     lab: int | None = None  # None: the lab named in each notebook
-    tests_dir: Path = DEFAULT_TESTS_DIR
+    tests_dir: Path = DEFAULT_TESTS_DIR  # the built-in hidden tests
+    extra_tests_dir: Path | None = None  # an instructor's own tests, graded in addition (ids: extra/...)
     limits: Limits = field(default_factory=Limits)
     seed: int | None = None  # None: a fresh random seed per notebook
     max_restarts: int = 2  # sandbox restarts after a crash or timeout, per notebook
 
-
-def load_tests(tests_dir: Path) -> dict[str, bytes]:
-    """Every ``.py`` file directly in ``tests_dir`` (test modules and their helpers), by name."""
-    tests_dir = Path(tests_dir)
-    if not tests_dir.is_dir():
-        raise FileNotFoundError(f"the hidden tests folder {tests_dir} does not exist")
-    return {p.name: p.read_bytes() for p in sorted(tests_dir.glob("*.py"))}
+    def read_tests(self) -> tuple[TestFolder, ...]:
+        """The built-in tests, then the extra ones; FileNotFoundError for a folder that is not there."""
+        folders = [TestFolder.read(self.tests_dir)]
+        if self.extra_tests_dir is not None:
+            folders.append(TestFolder.read(self.extra_tests_dir, EXTRA))
+        return tuple(folders)
 
 
 def _spec_for_rejected(path: Path, lab: int | None) -> LabSpec | None:
@@ -63,7 +76,7 @@ def _spec_for_rejected(path: Path, lab: int | None) -> LabSpec | None:
     return LABS.get(lab) if lab is not None else None
 
 
-def grade_notebook(path: str | Path, options: GradeOptions, tests: dict[str, bytes]) -> SubmissionResult:
+def grade_notebook(path: str | Path, options: GradeOptions, tests: Sequence[TestFolder]) -> SubmissionResult:
     """Grade one notebook in this process (the sandbox is still a separate process)."""
     import pytest
 
@@ -89,41 +102,28 @@ def grade_notebook(path: str | Path, options: GradeOptions, tests: dict[str, byt
             return result
     result.lab = spec.number
 
-    test_files = sorted(n for n in tests if n.startswith(spec.test_prefix) and n.endswith(".py"))
-    if not test_files:
+    if not any(folder.modules_for(spec) for folder in tests):
+        where = " or ".join(str(folder.path) for folder in tests)
         result.internal_error = (
-            f"no hidden tests for lab {spec.number}: expected {spec.test_prefix}*.py in {options.tests_dir}"
+            f"no hidden tests for lab {spec.number}: expected {spec.test_prefix}*.py in {where}"
         )
         result.messages.append(result.internal_error)
         return result
 
     session = Session(submission, spec, options.limits, seed, rejected, options.max_restarts)
-    plugin = GradingPlugin(session)
     with tempfile.TemporaryDirectory(prefix="nanolab-tests-") as tmp:
-        for name, source in tests.items():
-            (Path(tmp) / name).write_bytes(source)
+        modules, prefixes = [], {}
+        for folder in tests:
+            written = folder.write_into(Path(tmp))
+            prefixes[written] = folder.id_prefix
+            modules += [str(written / name) for name in folder.modules_for(spec)]
         (Path(tmp) / "pytest.ini").write_text("[pytest]\n")
-        args = [
-            "-q",
-            "--no-header",
-            "--assert=plain",
-            "--tb=no",
-            "--import-mode=importlib",
-            "-p",
-            "no:cacheprovider",
-        ]
-        args += [
-            "-W",
-            "ignore::pytest.PytestAssertRewriteWarning",
-            "--rootdir",
-            tmp,
-            "-c",
-            f"{tmp}/pytest.ini",
-        ]
+        plugin = GradingPlugin(session, prefixes)
+        args = [*PYTEST_ARGS, "--rootdir", tmp, "-c", f"{tmp}/pytest.ini", *modules]
         log = io.StringIO()
         try:
             with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-                code = pytest.main([*args, *(f"{tmp}/{n}" for n in test_files)], plugins=[plugin])
+                code = pytest.main(args, plugins=[plugin])
         finally:
             session.close()
             _forget_modules(tmp)
@@ -144,7 +144,7 @@ def _forget_modules(directory: str) -> None:
             del sys.modules[name]
 
 
-def _grade_task(path: str, options: GradeOptions, tests: dict[str, bytes]) -> dict:
+def _grade_task(path: str, options: GradeOptions, tests: tuple[TestFolder, ...]) -> dict:
     _not_dumpable()
     return grade_notebook(path, options, tests).to_dict()
 
@@ -160,22 +160,13 @@ def _not_dumpable() -> None:
             pass
 
 
-def _digest(files: dict[str, bytes]) -> dict[str, str]:
-    return {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
-
-
-def _check_tests_unchanged(options: GradeOptions, tests: dict[str, bytes], result: SubmissionResult) -> None:
+def _check_tests_unchanged(tests: Sequence[TestFolder], result: SubmissionResult) -> None:
     """Restore the hidden tests on disk if they changed while ``result`` was graded, and void it."""
-    try:
-        now = load_tests(options.tests_dir)
-    except OSError:
-        now = {}
-    if _digest(now) == _digest(tests):
+    changed = [folder for folder in tests if folder.changed_on_disk()]
+    if not changed:
         return
-    for name, data in tests.items():
-        (Path(options.tests_dir) / name).write_bytes(data)
-    for name in set(now) - set(tests):
-        (Path(options.tests_dir) / name).unlink(missing_ok=True)
+    for folder in changed:
+        folder.restore()
     for test in result.tests:
         test.status = "failed"
     result.messages.append(
@@ -208,7 +199,7 @@ def grade(
     from tqdm.auto import tqdm
 
     options = options or GradeOptions()
-    tests = load_tests(options.tests_dir)
+    tests = options.read_tests()
     paths = [str(p) for p in paths]
     results: dict[int, SubmissionResult] = {}
 
@@ -229,7 +220,7 @@ def grade(
                     continue
                 except Exception as e:  # a bug in the grader: report it, keep grading the others
                     result = _internal_failure(paths[i], options, e)
-                _check_tests_unchanged(options, tests, result)
+                _check_tests_unchanged(tests, result)
                 results[i] = result
                 bar.update()
         return broken

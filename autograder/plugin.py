@@ -13,6 +13,7 @@ description of what the learner's code raised, or why the sandbox stopped answer
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -40,10 +41,15 @@ def feedback(exc: BaseException) -> str:
 
 
 class GradingPlugin:
-    """Collects one `TestResult` per hidden test of one submission's pytest run."""
+    """Collects one `TestResult` per hidden test of one submission's pytest run.
 
-    def __init__(self, session: Session):
+    ``id_prefixes`` maps a folder of test modules to the prefix of its tests' ids, so an instructor's
+    extra test never shares an id (a CSV column) with a built-in one.
+    """
+
+    def __init__(self, session: Session, id_prefixes: dict[Path, str] | None = None):
         self.session = session
+        self.id_prefixes = {Path(folder).resolve(): prefix for folder, prefix in (id_prefixes or {}).items()}
         self.results: dict[str, TestResult] = {}  # by pytest node id, in collection order
         self.collection_errors: list[str] = []
 
@@ -59,7 +65,7 @@ class GradingPlugin:
             visibility = item.get_closest_marker("visibility")
             doc = (getattr(item, "obj", None).__doc__ or "").strip().splitlines()
             self.results[item.nodeid] = TestResult(
-                id=item.name,
+                id=self.id_prefixes.get(item.path.parent.resolve(), "") + item.name,
                 name=doc[0].strip() if doc else item.name,
                 max_score=float(points.args[0]) if points else 1.0,
                 visibility=visibility.args[0]
