@@ -126,7 +126,7 @@ def grade_notebook(path: str | Path, options: GradeOptions, tests: Sequence[Test
                 code = pytest.main(args, plugins=[plugin])
         finally:
             session.close()
-            _forget_modules(tmp)
+            _forget_modules(tmp, [folder.name for folder in tests])
     result.confined = session.sandbox.confined if session.sandbox is not None else None
     result.tests = list(plugin.results.values())
     if plugin.collection_errors or (not plugin.results and code not in (0, 1)):
@@ -137,10 +137,12 @@ def grade_notebook(path: str | Path, options: GradeOptions, tests: Sequence[Test
     return result
 
 
-def _forget_modules(directory: str) -> None:
-    """Drop the test modules imported from ``directory`` so the next notebook imports them afresh."""
+def _forget_modules(directory: str, folders: list[str]) -> None:
+    """Drop the test modules imported from ``directory``, and the empty packages pytest made for its
+    ``folders`` (``extra`` for ``extra/test_lab01.py``), so the next notebook imports them afresh."""
     for name, module in list(sys.modules.items()):
-        if (getattr(module, "__file__", None) or "").startswith(directory):
+        from_directory = (getattr(module, "__file__", None) or "").startswith(directory)
+        if from_directory or (name.split(".")[0] in folders and getattr(module, "__file__", None) is None):
             del sys.modules[name]
 
 
