@@ -74,6 +74,7 @@ def learner_env(state: Path) -> dict[str, str]:
     )
     for name in (
         "JUPYTER_CONFIG_DIR",
+        "JUPYTER_DATA_DIR",
         "JUPYTER_RUNTIME_DIR",
         "JUPYTERLAB_SETTINGS_DIR",
         "JUPYTERLAB_WORKSPACES_DIR",
