@@ -33,15 +33,21 @@ INSTALL = "apt-get install -y chromium chromium-driver"
 CELLS_JS = """
 return [...document.querySelectorAll('.jp-NotebookPanel .jp-Notebook .jp-Cell')].map(cell => {
   const outputs = cell.querySelector('.jp-OutputArea');
-  const images = outputs ? [...outputs.querySelectorAll('img')] : [];
+  const drawn = (root, selector) => root ? [...root.querySelectorAll(selector)]
+    .filter(i => i.complete && i.naturalWidth > 100 && i.naturalHeight > 100).map(i => i.src) : [];
+  const widgetOutput = cell.querySelector('.widget-output');  // what an interact() callback displays
   return {
     code: cell.classList.contains('jp-CodeCell'),
     prompt: (cell.querySelector('.jp-InputArea-prompt') || {}).textContent || '',
     text: outputs ? outputs.textContent : '',
-    images: images.filter(i => i.complete && i.naturalWidth > 100 && i.naturalHeight > 100).map(i => i.src),
+    images: drawn(outputs, 'img'),
     canvases: outputs ? outputs.querySelectorAll('canvas').length : 0,
-    error: outputs ? [...outputs.querySelectorAll('[data-mime-type="application/vnd.jupyter.error"]')]
-      .map(e => e.textContent).join('\\n') : '',
+    widgetImages: drawn(widgetOutput, 'img'),
+    widgetText: widgetOutput ? widgetOutput.textContent : '',
+    widgetHTML: widgetOutput ? widgetOutput.innerHTML : '',
+    // JupyterLab renders an exception's traceback as stderr text
+    error: outputs ? [...outputs.querySelectorAll('[data-mime-type="application/vnd.jupyter.stderr"]')]
+      .map(e => e.textContent).filter(t => t.includes('Traceback (most recent call last)')).join('\\n') : '',
   };
 });
 """
@@ -188,6 +194,8 @@ def test_a_learner_runs_lab1_in_jupyterlab(tmp_path):
             def finished() -> list[dict] | None:
                 cells = page.cells()
                 errors = [(i, c["error"]) for i, c in enumerate(cells) if c["error"]]
+                if errors:
+                    page.show(errors[0][0])  # for the screenshot
                 assert not errors, (
                     f"cell {errors[0][0]} ({grade_ids[errors[0][0]]}) failed:\n{errors[0][1][-2000:]}"
                 )
@@ -199,10 +207,12 @@ def test_a_learner_runs_lab1_in_jupyterlab(tmp_path):
 
             page.stage = "the plot"
             page.show(plot)
-            cells = page.wait(
-                "the plot to be drawn", lambda: page.cells()[plot]["images"] and page.cells(), 20
-            )
-            assert cells[plot]["images"] or cells[plot]["canvases"], "the plot cell shows no figure"
+
+            def plotted() -> list[dict] | None:
+                cells = page.cells()
+                return cells if cells[plot]["images"] or cells[plot]["canvases"] else None
+
+            cells = page.wait("the plot to be drawn", plotted, 20)
 
             page.stage = "the check cell"
             assert CHECK_PASSED in cells[check]["text"], f"the check cell showed: {cells[check]['text']!r}"
@@ -214,11 +224,12 @@ def test_a_learner_runs_lab1_in_jupyterlab(tmp_path):
             )[0]
 
             def drawn() -> tuple[str, ...]:
-                """What the widget shows: its figures' images if it has any, else its HTML."""
+                """What the widget's callback drew (not the slider): its figures' images, else its HTML."""
                 shown = page.cells()[widget]
-                return tuple(shown["images"]) or (shown["text"],)
+                return tuple(shown["widgetImages"]) or (shown["widgetHTML"],)
 
             before = drawn()
+            assert before != ("",), "the widget's output area is empty before the slider moves"
             ActionChains(driver).click_and_hold(handle).move_by_offset(80, 0).release().perform()
             page.wait("the widget to redraw", lambda: drawn() != before, 30)
 
@@ -238,6 +249,6 @@ def test_a_learner_runs_lab1_in_jupyterlab(tmp_path):
             except Exception as shot_error:  # a dead browser: say so, keep the first error
                 saved = [f"(no screenshot: {shot_error})"]
             names = ", ".join(str(p.relative_to(ROOT)) if isinstance(p, Path) else p for p in saved)
-            raise AssertionError(f"{e}\nwhile waiting for {page.stage}; saved: {names}") from e
+            raise AssertionError(f"{e}\n(at: {page.stage}; saved: {names})") from e
         finally:
             driver.quit()
