@@ -112,6 +112,32 @@ LABS: dict[int, LabSpec] = {
         preload=("torch", "numpy"),
         memory_mb=2048,
     ),
+    3: LabSpec(
+        number=3,
+        name="paged-kv",
+        title="Lab 3: Paged KV memory",
+        notebook="lab03_paged_kv.ipynb",
+        setup_cells=("setup",),
+        graded_cells=MappingProxyType(
+            {
+                "simulate": ("simulate",),
+                "block-allocator": ("BlockAllocator",),
+                "slots": ("slot_of", "slot_mapping"),
+                "block-manager": ("BlockManager",),
+                "paged-kv-cache": ("PagedKVCache",),
+            }
+        ),
+        blocked_modules=MappingProxyType(
+            {
+                "nanolab": _OWN_CODE,
+                "autograder": "graded code may not use the grader",
+                "vllm": "your allocator and paged attention must be your own",
+            }
+        ),
+        # The models run in the grader; the sandbox holds the learner's pools (a few MB) and gets each
+        # layer's q, k, v. torch is preloaded because importing it maps a lot of address space.
+        preload=("torch", "numpy"),
+    ),
 }
 
 

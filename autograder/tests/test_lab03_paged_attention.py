@@ -146,11 +146,15 @@ def _variant_hint(q, k, v, start: int, n: int, table: list[int], block_size: int
     new_only = dense_causal_attention(q[start:end].double(), k[start:end].double(), v[start:end].double())
     if close(got, new_only):
         return "; it looks like the new tokens attend only to each other: gather the cached ones too"
+    # The blocks gathered in the order of their ids: context slot j then holds logical position pos[j],
+    # or nothing yet (zeros) where that position is past the sequence's end.
     order = sorted(range(cdiv(end, block_size)), key=lambda i: table[i])
-    perm = torch.tensor([i * block_size + o for i in order for o in range(block_size)])
-    perm = perm[perm < end]
-    if len(perm) == end and not torch.equal(perm, torch.arange(end)):
-        kk, vv = k[:end][perm].double(), v[:end][perm].double()
+    pos = torch.tensor([i * block_size + o for i in order for o in range(block_size)])[:end]
+    if not torch.equal(pos, torch.arange(end)):
+        valid = pos < end
+        kk = torch.zeros(end, *k.shape[1:], dtype=torch.float64)
+        vv = torch.zeros(end, *v.shape[1:], dtype=torch.float64)
+        kk[valid], vv[valid] = k[pos[valid]].double(), v[pos[valid]].double()
         q_full = torch.cat([torch.zeros(end - n, *q.shape[1:], dtype=torch.float64), q[start:end].double()])
         if close(got, dense_causal_attention(q_full, kk, vv)[-n:]):
             return "; it looks like the blocks are gathered in the order of their ids, not in table order"
