@@ -395,6 +395,17 @@ def test_fork_shares_blocks_and_a_block_outlives_its_first_holder(lab, rng):
     for child in children:
         manager.release(child)
     assert allocator.num_free == num_blocks, "after every holder released its blocks, all should be free"
+    tokens = rng.randint(0, 3) * block_size + rng.randint(1, block_size - 1)  # the last block partly filled
+    kept, child = sequence(lab, [], 0), sequence(lab, [], 0)
+    manager.grow(kept, tokens)
+    kept_table = table_of(kept)
+    kept = sequence(lab, kept_table, tokens)
+    manager.fork(kept, child)
+    manager.grow(child, 1)
+    manager.copy_on_write(child)
+    assert table_of(kept) == kept_table, (
+        "a forked child's copy-on-write changed its parent's block table: the child needs a list of its own"
+    )
     holder = sequence(lab, [], 0)
     manager.grow(holder, 1)
     try:
@@ -407,15 +418,21 @@ def test_fork_shares_blocks_and_a_block_outlives_its_first_holder(lab, rng):
         raise AssertionError("fork into a sequence that already holds blocks should raise ValueError")
 
 
-def _write(lab, manager, cache, table: list[int], computed: int, values: list[float]):
+def _write(lab, manager, cache, table: list[int], computed: int, values: list[float], block_size: int):
     """One forward that writes ``values`` as the next tokens of a sequence (grow, copy-on-write, copy,
     prepare, attend); returns (new table, attention output rows, copy pairs)."""
     n = len(values)
     seq = sequence(lab, table, computed)
     assert manager.grow(seq, n) is True, "grow failed with free blocks left"
+    touched = table_of(seq)[computed // block_size : cdiv(computed + n, block_size)]
     pairs = manager.copy_on_write(seq, n)
     assert pairs is not None, "copy_on_write returned None with free blocks left"
-    expect(pairs, list, "copy_on_write(...)")
+    for pair in expect(pairs, list, "copy_on_write(...)"):
+        expect(pair, (tuple, list), "each pair of copy_on_write(...)")
+        assert pair[0] in touched, (
+            f"copy_on_write({n} new tokens after {computed}) copied block {pair[0]}, which those tokens are not "
+            "written into: full blocks stay shared"
+        )
     cache.copy_blocks(pairs)
     table = table_of(seq)
     cache.prepare([lab.SeqSlice(table, computed, n)])
@@ -441,7 +458,7 @@ def test_copy_on_write_leaves_the_other_holders_data_untouched(lab, rng):
         cache = lab.PagedKVCache(learner_shape(lab, 1, 1, 1, 2), num_blocks, block_size)
         prompt = rng.randint(1, 4 * block_size)
         tokens = [float(i + 1) for i in range(prompt)]
-        parent_table, _, _ = _write(lab, manager, cache, [], 0, tokens)
+        parent_table, _, _ = _write(lab, manager, cache, [], 0, tokens, block_size)
         samples = {}
         for c in range(rng.randint(2, 3)):
             child = sequence(lab, [], 0)
@@ -452,7 +469,7 @@ def test_copy_on_write_leaves_the_other_holders_data_untouched(lab, rng):
                 n = rng.choice([1, 1, 2])
                 values = [100.0 * (c + 1) + len(written) + i for i in range(n)]
                 shared_before = refs_of(lab, allocator)
-                table, out, pairs = _write(lab, manager, cache, table, len(written), values)
+                table, out, pairs = _write(lab, manager, cache, table, len(written), values, block_size)
                 written += values
                 samples[c] = (table, written)
                 what = (
