@@ -358,3 +358,19 @@ def test_lab03_solution_allocator_and_cache_plug_into_the_reference():
     assert isinstance(llm.engine.kv_cache, KVCacheProtocol)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want and llm.stats().preemptions > 0
+
+
+def test_lab03_docstring_examples_run_on_the_solution():
+    """Every ``>>>`` example in Lab 3's fill-in cells gives what it shows, with the solution's code."""
+    import doctest
+
+    namespace = _solution_namespace(LAB03)
+    finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner()
+    names = ("simulate", "BlockAllocator", "slot_of", "slot_mapping", "BlockManager", "PagedKVCache")
+    tests = [
+        t for name in names for t in finder.find(namespace[name], name, globs=dict(namespace)) if t.examples
+    ]
+    assert len(tests) >= len(names)
+    for test in tests:
+        runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0
