@@ -341,15 +341,40 @@ def test_your_allocator_and_cache_serve_the_bundled_model_through_preemptions(la
     )
 
 
+def tiny_hf_model(seed: int) -> Transformer | None:
+    """A random Qwen2-style model built by Hugging Face transformers (one KV head for four query heads,
+    q/k/v biases), converted to nanolab; None where transformers is not installed."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    from nanolab.model.hf import config_from_hf, state_from_hf
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    hf_config = transformers.Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False, initializer_range=0.2,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    hf = transformers.Qwen2ForCausalLM(hf_config).eval()
+    _, config = config_from_hf(hf_config.to_dict())
+    model = Transformer(config)
+    model.load_state_dict(state_from_hf(hf.state_dict(), config, "a tiny Qwen2 model"))
+    return model.eval()
+
+
 def test_your_cache_serves_other_model_families(lab, rng):
-    """Check your cache in the engine with random GPT-2 (MHA) and Qwen2-style (GQA, q/k/v biases) models."""
+    """Check your cache in the engine with random GPT-2 (MHA) and Llama-style (GQA) models, and a tiny Hugging Face Qwen2 (MQA, biases)."""
     configs = [
         ModelConfig(arch="gpt2", vocab_size=64, n_layers=2, n_heads=4, n_kv_heads=4, d_model=32, d_ff=64, max_seq_len=64),
-        ModelConfig(vocab_size=64, n_layers=3, n_heads=6, n_kv_heads=2, d_model=48, d_ff=64, max_seq_len=64,
-                    qkv_bias=True),
+        ModelConfig(vocab_size=64, n_layers=3, n_heads=6, n_kv_heads=2, d_model=48, d_ff=64, max_seq_len=64),
     ]  # fmt: skip
-    for config in configs:
-        model = spread_out(Transformer(config), rng.randrange(2**31))
+    models = [(spread_out(Transformer(c), rng.randrange(2**31)), f"a random {c.arch} model") for c in configs]
+    if (hf := tiny_hf_model(rng.randrange(2**31))) is not None:
+        models.append((hf, "a tiny Hugging Face Qwen2 model"))
+    for model, label in models:
+        config = model.config
         prompts = [[rng.randrange(64) for _ in range(rng.randint(1, 12))] for _ in range(3)]
         settings = dict(block_size=rng.choice([2, 4, 8]), num_blocks=64, max_num_seqs=3)
         _, _, want, got = _serve_with_the_learners_parts(
@@ -357,8 +382,8 @@ def test_your_cache_serves_other_model_families(lab, rng):
         )
         for prompt, w, g in zip(prompts, want, got):
             assert _agree_up_to_ties(model, prompt, w, g), (
-                f"a random {config.arch} model ({config.n_heads} query heads, {config.n_kv_heads} KV heads) served with "
-                f"your cache continued a {len(prompt)}-token prompt differently from nanolab"
+                f"{label} ({config.n_heads} query heads, {config.n_kv_heads} KV heads) served with your cache "
+                f"continued a {len(prompt)}-token prompt differently from nanolab"
             )
 
 
