@@ -32,6 +32,9 @@ class LabSpec:
     graded_cells: MappingProxyType  # grade_id -> names that cell must define (learner's own code)
     blocked_modules: MappingProxyType  # module -> why graded code may not import it
     preload: tuple[str, ...] = ()  # imported in the sandbox before limits apply (speed, address space)
+    # Third-party packages graded code may import besides the preloads. The sandbox's file system holds
+    # these, the preloads and their dependencies, and no other package (autograder.isolation).
+    packages: tuple[str, ...] = ()
     # Sandbox address space on top of the interpreter and the preloads. Raise it only for a lab that
     # truly needs more, with the reason in a comment.
     memory_mb: int = DEFAULT_MEMORY_MB

@@ -25,6 +25,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
     print(f"nanolab {__version__}")
     print(f"kernels: {_ext.backend()}" + ("" if _ext.HAS_C else f" ({_ext.why_pure})"))
+    try:
+        from autograder.isolation import status
+    except ImportError:  # nanolab installed without its grader
+        return 0
+    print(f"grading {status().describe()}")  # whether `nanolab grade` runs submissions in bubblewrap
     return 0
 
 
@@ -95,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command")
 
-    info = sub.add_parser("info", help="show the version and which kernels (C++ or Python) are in use")
+    info = sub.add_parser(
+        "info", help="show the version, which kernels (C++ or Python) and which grading sandbox are in use"
+    )
     info.set_defaults(func=_cmd_info)
     from autograder.cli import add_arguments as add_grade_arguments
 

@@ -390,8 +390,8 @@ def test_json_and_csv_have_one_entry_per_submission(batch, tmp_path):
 
 
 def test_without_landlock_overwritten_tests_are_restored_and_void_the_grade(tmp_path):
-    """With write confinement off, a submission can overwrite the hidden tests; the grader restores
-    them from its in-memory copy and gives that submission no credit."""
+    """With no bubblewrap and write confinement off, a submission can overwrite the hidden tests; the
+    grader restores them from its in-memory copy and gives that submission no credit."""
     tests_copy = tmp_path / "hidden"
     shutil.copytree(DEFAULT_TESTS_DIR, tests_copy, ignore=shutil.ignore_patterns("__pycache__"))
     original = (tests_copy / "test_lab01.py").read_bytes()
@@ -403,21 +403,21 @@ def test_without_landlock_overwritten_tests_are_restored_and_void_the_grade(tmp_
     )
     path = tmp_path / "overwrite.ipynb"
     path.write_text(json.dumps(nb))
-    limits = Limits(**{**LIMITS.__dict__, "confine_writes": False})
+    limits = Limits(**{**LIMITS.__dict__, "confine_writes": False, "isolate": False})
     [result] = grade([path], GradeOptions(tests_dir=tests_copy, limits=limits), progress=False)
     assert (tests_copy / "test_lab01.py").read_bytes() == original
     assert result.score == 0 and "restored" in " ".join(result.messages)
 
 
 def test_a_notebook_that_kills_its_grading_worker_spoils_only_its_own_result(tmp_path):
-    """Without Landlock nothing stops a submission from killing the worker that grades it; the
-    notebooks that worker's pool held are graded again, each on its own."""
+    """Without bubblewrap and Landlock nothing stops a submission from killing the worker that grades
+    it; that notebook gets an internal error, and its neighbour (in a worker of its own) its full score."""
     killer = json.loads(LAB.read_text())
     _prepend(killer, "pair-counts", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)")
     paths = [tmp_path / "killer.ipynb", tmp_path / "solution.ipynb"]
     paths[0].write_text(json.dumps(killer))
     shutil.copy(SOLUTION, paths[1])
-    limits = Limits(**{**LIMITS.__dict__, "confine_writes": False})
+    limits = Limits(**{**LIMITS.__dict__, "confine_writes": False, "isolate": False})
     killed, solution = grade(paths, GradeOptions(limits=limits), jobs=2, progress=False)
     assert killed.score == 0 and killed.internal_error and "died" in killed.internal_error
     assert solution.score == solution.max_score > 0
