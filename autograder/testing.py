@@ -24,6 +24,10 @@ The contract:
   Whatever the learner's code raises arrives as `RemoteError`. A graded name the notebook does not
   define, that is not the learner's own code, or whose cell failed, fails the test with a message for
   the learner, and so does a process that stops answering.
+- ``lab.time_limit(s)`` gives the calls in a block another wall-clock limit; ``lab.cpu_seconds()`` is
+  the CPU time the learner's processes have used, read by the grader itself, which is what a speed
+  budget should measure (against the reference's ``time.thread_time()``): neither depends on how
+  busy the machine is, nor on anything the learner's code does to the grader.
 - ``rng``: a `random.Random` seeded from the grading run's seed and the test, so inputs differ
   from run to run (reading the tests does not reveal them) but a run repeats with ``--seed``.
 - ``@pytest.mark.points(n)``: what the test is worth (default 1). All or nothing.
@@ -68,6 +72,12 @@ class Learner:
         """``with lab.time_limit(s):`` gives each call inside the block ``s`` seconds of wall clock
         instead of ``--timeout`` (for a speed budget, or a call known to be slow); restarts included."""
         return self._session.time_limit(seconds)
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds the learner's processes have used so far (all of them, all threads), read by the
+        grader from /proc. Take the difference around calls to measure them; a call that restarts the
+        sandbox fails, so the two readings always come from one process tree."""
+        return self._session.cpu_seconds()
 
 
 def expect(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
