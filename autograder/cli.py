@@ -8,7 +8,9 @@ Examples::
     nanolab grade submissions/*/lab01*.ipynb --tests ~/private-tests    # their test_lab01*.py as well
 
 The exit status is 0 when every notebook was graded (whatever its score; a notebook that cannot be
-graded scores zero), 1 when the grader itself or its hidden tests failed.
+graded scores zero), 1 when the grader itself or its hidden tests failed, or a results file could not
+be written. Every run says on stderr whether submissions run in a bubblewrap sandbox
+(`autograder.isolation`), and how to get one when they do not.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import os
 import sys
 from pathlib import Path
 
+from autograder import isolation
+from autograder.feedback import clean
 from autograder.grade import GradeOptions, grade
 from autograder.results import print_table, write_csv, write_gradescope, write_json
 from autograder.sandbox import DEFAULT_MEMORY_MB, Limits
@@ -94,26 +98,48 @@ def run(args: argparse.Namespace) -> int:
         print(f"nanolab grade: the tests folder {args.tests} does not exist", file=sys.stderr)
         return 2
     options = grade_options(args)
+    status = isolation.status()
+    print(("" if status.available else "WARNING: ") + status.describe(), file=sys.stderr)
+    _raise_soft_limits()
     jobs = min(args.jobs, os.cpu_count() or 1, len(args.notebooks))
     results = grade(args.notebooks, options, jobs=jobs, progress=sys.stderr.isatty())
 
     print_table(results, sys.stdout, details=True if args.details else None)
-    if any(r.confined is False for r in results):
+    if not status.available and any(r.confined is False for r in results):
         print(
-            "warning: this kernel has no Landlock, so submissions could write outside their sandbox "
+            "WARNING: this kernel has no Landlock either, so submissions could write outside their "
             "directory; grade untrusted work in a container",
             file=sys.stderr,
         )
-    if args.gradescope:
-        write_gradescope(results, args.gradescope)
-    if args.json:
-        write_json(results, args.json)
-    if args.csv:
-        write_csv(results, args.csv)
     failed = [r for r in results if r.internal_error]
     for r in failed:
-        print(f"nanolab grade: {r.submission}: {r.internal_error}", file=sys.stderr)
-    return 1 if failed else 0
+        print(f"nanolab grade: {clean(r.submission)}: {clean(r.internal_error or '')}", file=sys.stderr)
+    written = True
+    for option, write in (
+        (args.gradescope, write_gradescope),
+        (args.json, write_json),
+        (args.csv, write_csv),
+    ):
+        if option:
+            try:
+                write(results, option)
+            except OSError as e:
+                print(f"nanolab grade: could not write {option}: {e}", file=sys.stderr)
+                written = False
+    return 1 if failed or not written else 0
+
+
+def _raise_soft_limits() -> None:
+    """Start from the hard limits: a soft limit lowered from outside (file size, open files) must not
+    cost the batch its results files."""
+    import resource
+
+    for which in (resource.RLIMIT_FSIZE, resource.RLIMIT_NOFILE):
+        try:
+            _, hard = resource.getrlimit(which)
+            resource.setrlimit(which, (hard, hard))
+        except (ValueError, OSError):
+            pass
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,13 +7,18 @@ pytest's reports.
 
 Verdicts are taken from those reports in this (trusted) process. A failure's feedback is the
 assertion's own message (pytest runs with ``--assert=plain``, so compared values are not shown), or a
-description of what the learner's code raised, or why the sandbox stopped answering.
+description of what the learner's code raised, or why the sandbox stopped answering; it goes through
+the ``safe`` filter it is given (`autograder.feedback`: no control characters, no grader source).
+Each collected test and each finished one is also handed to ``report``, so that a watchdog that
+stops the grading keeps the verdicts already decided (`autograder.batch`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,9 +52,17 @@ class GradingPlugin:
     extra test never shares an id (a CSV column) with a built-in one.
     """
 
-    def __init__(self, session: Session, id_prefixes: dict[Path, str] | None = None):
+    def __init__(
+        self,
+        session: Session,
+        id_prefixes: dict[Path, str] | None = None,
+        safe: Callable[[str], str] = lambda text: text,
+        report: Callable[..., Any] | None = None,
+    ):
         self.session = session
         self.id_prefixes = {Path(folder).resolve(): prefix for folder, prefix in (id_prefixes or {}).items()}
+        self.safe = safe  # what every feedback text goes through
+        self.report = report or (lambda *message: None)  # ("collected", [tests]) and ("test", test)
         self.results: dict[str, TestResult] = {}  # by pytest node id, in collection order
         self.collection_errors: list[str] = []
 
@@ -72,6 +85,7 @@ class GradingPlugin:
                 if visibility and visibility.args[0] in testing.VISIBILITIES
                 else "visible",
             )
+        self.report("collected", [asdict(result) for result in self.results.values()])
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed:
@@ -90,7 +104,7 @@ class GradingPlugin:
             elif report.failed:
                 exc = call.excinfo.value if call.excinfo is not None else None
                 result.status = "failed"
-                result.output = feedback(exc) if exc is not None else "failed"
+                result.output = self.safe(feedback(exc)) if exc is not None else "failed"
                 if isinstance(exc, SandboxFailure):
                     self.session.note_failure(str(exc))
             elif report.skipped:
@@ -98,9 +112,11 @@ class GradingPlugin:
                     "failed",
                     f"not run ({report.longrepr[-1] if isinstance(report.longrepr, tuple) else 'skipped'})",
                 )
-        elif call.when == "teardown" and report.failed:
-            result.status = "failed"
-            result.output = (result.output + "\n" if result.output else "") + "the test's cleanup failed"
+        elif call.when == "teardown":
+            if report.failed:
+                result.status = "failed"
+                result.output = (result.output + "\n" if result.output else "") + "the test's cleanup failed"
+            self.report("test", asdict(result))
 
     def pytest_sessionfinish(self) -> None:
         self.session.close()
