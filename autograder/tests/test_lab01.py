@@ -99,14 +99,25 @@ def _short(value: object, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 5] + "...'"
 
 
+MAX_TOKEN_BYTES = 1 << 16  # longer than any chunk of any text here; a longer token is refused unbuilt
+
+
 def merges_of(tok, what: str = "tokenizer.merges") -> list[tuple[int, int]]:
-    """The learner's merges as a list of int pairs (any sequence of 2-sequences is accepted)."""
+    """The learner's merges as a list of int pairs (any sequence of 2-sequences is accepted), each making
+    a token of at most `MAX_TOKEN_BYTES` (merges that double a token each time must not make this
+    process build gigabytes of tokens)."""
     merges = expect(tok.merges, (list, tuple), what)
-    pairs = []
+    pairs, lengths = [], [1] * 256
     for m in merges:
         expect(m, (list, tuple), f"each item of {what}")
         assert len(m) == 2 and all(type(x) is int for x in m), f"each item of {what} should be a pair of ints"
         pairs.append((m[0], m[1]))
+        known = 0 <= m[0] < len(lengths) and 0 <= m[1] < len(lengths)
+        lengths.append(lengths[m[0]] + lengths[m[1]] if known else 0)
+        assert lengths[-1] <= MAX_TOKEN_BYTES, (
+            f"merge {len(pairs) - 1} of {what} makes a token of {lengths[-1]} bytes, longer than any text it "
+            "was trained on"
+        )
     return pairs
 
 
@@ -229,7 +240,9 @@ def test_train_never_merges_across_regex_chunks(lab, rng):
     tok = lab.Tokenizer.train(text, 310)
     split = regex.compile(GPT4_PATTERN)
     reference_tokens = set(ranks_of(list(Reference.train(text, 310).merges)))
-    for token in ranks_of(merges_of(tok)):
+    merges = merges_of(tok)
+    assert len(merges) == 310 - 256, f"train(text, 310) should learn 54 merges, not {len(merges)}"
+    for token in ranks_of(merges):
         if token not in reference_tokens and len(split.findall(token.decode("utf-8", "replace"))) > 1:
             raise AssertionError(
                 f"your token {token.decode('utf-8', 'replace')!r} spans two regex chunks; split the text with "
@@ -256,6 +269,9 @@ def test_vocab_size_counts_bytes_merges_and_special_tokens(lab, rng):
 def test_training_speed_is_within_budget(lab, rng):
     """Check that Tokenizer.train is at most 40x slower than the reference, on 120 KB of source code.
 
+    Each side is timed by its own CPU time (the reference's thread here, the learner's processes as the
+    grader reads them), so neither a busy machine nor anything the learner's code does to other
+    processes moves the budget; the wall clock stops the call at twice the budget.
     The text is 30 KB of stdlib source repeated 4 times (about 1,400 distinct chunks, 32,000 chunk
     occurrences); 150 merges. Reference figures on a 2-core machine: the reference (incremental pair
     counts and a heap) takes about 0.13 s; the straightforward solution that re-counts the pairs of
@@ -266,20 +282,21 @@ def test_training_speed_is_within_budget(lab, rng):
     lab.Tokenizer.train(text[:2000], 260)  # fail fast (before timing the reference) if train is missing
     timings = []
     for _ in range(3):
-        start = time.perf_counter()
+        start = time.thread_time()
         reference = Reference.train(text, 406)
-        timings.append(time.perf_counter() - start)
+        timings.append(time.thread_time() - start)
     budget = 40 * min(timings) + 0.5
-    with lab.time_limit(budget + 2.0):
-        start = time.perf_counter()
+    with lab.time_limit(2 * budget + 2.0):
+        before = lab.cpu_seconds()
         learner = lab.Tokenizer.train(text, 406)
-        elapsed = time.perf_counter() - start
+        elapsed = lab.cpu_seconds() - before
     assert merges_of(learner) == list(reference.merges), (
         "only a correct result counts: your merges are wrong here"
     )
     assert elapsed <= budget, (
-        f"training 150 merges on 120 KB took {elapsed:.1f} s; the budget is {budget:.1f} s (40x the reference "
-        "+ 0.5 s). Count each distinct chunk once, with its number of occurrences, rather than every occurrence"
+        f"training 150 merges on 120 KB took {elapsed:.1f} s of CPU time; the budget is {budget:.1f} s (40x "
+        "the reference + 0.5 s). Count each distinct chunk once, with its number of occurrences, rather than "
+        "every occurrence"
     )
 
 

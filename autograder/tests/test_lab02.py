@@ -255,6 +255,11 @@ def test_future_tokens_have_no_influence(lab, rng):
         assert not close(out[i + 1 :], base[i + 1 :], 1e-3), (
             "changing the later tokens' queries, keys and values did not change their own outputs"
         )
+        shifted = as_tensor(lab.causal_attention(q, k, v + 1.0), "causal_attention(q, k, v + 1)", (T, nh, hs))
+        assert close(shifted, base + 1.0, 1e-4), (
+            "adding 1 to every value should add 1 to every output: each token's output is a weighted average "
+            "of the values of the tokens up to it (weights that sum to 1)"
+        )
 
 
 def test_queries_are_the_last_tokens_of_a_longer_sequence(lab, rng):
@@ -730,3 +735,11 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(lab, rng):
         )
     others = {tuple(draw(rows, [s + 1000 + i for s in seeds])) for i in range(3)}
     assert len(others | {tuple(first)}) > 1, "different seeds always gave the same tokens: use the generators"
+    winners = [rng.randrange(V) for _ in rows]
+    peaked = logits.clone()
+    peaked[rows, winners] += 40.0  # every other token has probability below e**-40
+    got = lab.sample(peaked, params, [lab.make_generator(s) for s in seeds])
+    assert as_tensor(got, "sample(...)", (B,), floating=False).tolist() == winners, (
+        "with one token's logit 40 above the rest, seeded sampling should draw that token: each row's "
+        "token must follow that row's logits"
+    )
