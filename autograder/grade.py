@@ -220,7 +220,11 @@ def _not_dumpable() -> None:
 
 
 def _check_tests_unchanged(tests: Sequence[TestFolder], result: SubmissionResult) -> None:
-    """Restore the hidden tests on disk if they changed while ``result`` was graded, and void it."""
+    """Restore the hidden tests on disk if they changed while ``result`` was graded, and void it.
+    Only for a submission that ran without bubblewrap: one that ran in it could not even see them (and
+    an instructor editing the tests meanwhile must not see the edits undone)."""
+    if result.isolated:
+        return
     changed = [folder for folder in tests if folder.changed_on_disk()]
     if not changed:
         return
@@ -261,9 +265,9 @@ def grade(
     ) as bar:
 
         def done(index: int, result: SubmissionResult) -> None:
-            _check_tests_unchanged(tests, result)
             if result.isolated is None:
                 result.isolated = options.limits.isolate
+            _check_tests_unchanged(tests, result)
             bar.update()
 
         jobs = max(1, min(jobs, len(paths)))
