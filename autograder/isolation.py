@@ -17,7 +17,8 @@ bubblewrap (``bwrap``, the tool Flatpak uses) starts the submission's process:
   grader, only the three files the sandbox runs (`RUNTIME`).
 
 As root, bubblewrap itself runs as uid 65534, so the paths it binds are first bind-mounted (in a
-private mount namespace of a small launcher, `_LAUNCHER`) where that uid can reach them.
+private mount namespace of a small launcher, `_LAUNCHER`) where that uid can reach them: on a stage
+that covers ``/tmp`` in that namespace only.
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ sys.path.append("{SITE_DIR}")
 module.main()
 """
 
-# As root: in a private mount namespace, bind each source under a stage directory that uid 65534 can
-# reach, drop to that uid, and exec bubblewrap (whose binds name the staged copies).
+# As root: in a private mount namespace, bind each source into a stage, put the stage over /tmp (which
+# uid 65534 can reach whatever the stage's own path), drop to that uid and exec bubblewrap, whose binds
+# name the staged copies (/tmp/0, /tmp/1, ...).
 _LAUNCHER = """
 import ctypes, json, os, sys
 spec = json.loads(sys.argv[1])
@@ -84,6 +86,7 @@ for i, source in enumerate(spec["sources"]):
     else:
         open(target, "w").close()
     check(libc.mount(source.encode(), target.encode(), None, 0x1000 | 0x4000, None), "bind " + source)
+check(libc.mount(stage.encode(), b"/tmp", None, 0x1000 | 0x4000, None), "stage over /tmp")
 uid = spec["uid"]
 os.setgroups([])
 os.setresgid(uid, uid, uid)
@@ -139,13 +142,10 @@ def status() -> Status:
 
 
 def make_host_dir() -> str:
-    """A private directory of the grader for one sandbox (its output log; as root, the stage)."""
+    """A private directory of the grader for one sandbox (its output log; as root, the stage's mount point)."""
     import tempfile
 
-    path = tempfile.mkdtemp(prefix="nanolab-sandbox-")
-    if os.geteuid() == 0:
-        os.chmod(path, 0o711)  # uid 65534 may pass through to the stage, not list or read
-    return path
+    return tempfile.mkdtemp(prefix="nanolab-sandbox-")
 
 
 def interpreter() -> str:
@@ -217,7 +217,7 @@ def command(
 ) -> list[str]:
     """The argv that runs ``inner`` in a fresh sandbox holding ``modules``' packages, with ``env`` as
     its whole environment and a tmpfs of ``tmpfs_mb`` MB. As root it goes through the launcher, which
-    uses ``host_dir/stage`` (``host_dir`` must be traversable by `SANDBOX_UID`)."""
+    stages the binds in ``host_dir/stage``."""
     bwrap = shutil.which("bwrap") or "bwrap"
     binds: list[tuple[str, str]] = []  # (host path, sandbox path), bound read-only
     args = ["--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
@@ -238,7 +238,7 @@ def command(
     site_binds = [(path, f"{SITE_DIR}/{name}") for path, name in lab_packages(modules)]
     sources = [source for source, _ in binds + site_binds]
     if os.geteuid() == 0:
-        staged = {source: f"{host_dir}/stage/{i}" for i, source in enumerate(sources)}
+        staged = {source: f"/tmp/{i}" for i, source in enumerate(sources)}
     else:
         staged = {source: source for source in sources}
     for source, target in binds:
@@ -257,6 +257,6 @@ def command(
     argv = [bwrap, *args, "--", *inner]
     if os.geteuid() != 0:
         return argv
-    (host_dir / "stage").mkdir(mode=0o755, exist_ok=True)
+    (host_dir / "stage").mkdir(mode=0o700, exist_ok=True)
     spec = {"stage": str(host_dir / "stage"), "sources": sources, "uid": SANDBOX_UID, "argv": argv}
     return [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(spec)]

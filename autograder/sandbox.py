@@ -54,11 +54,13 @@ class Limits:
     isolate: bool | None = None  # bubblewrap: None where it can run (`isolation.status`); False: never
     disk_mb: int = 128  # the size of the sandbox's tmpfs (under bubblewrap, all it may write)
     grader_memory_mb: int = 3072  # address space a grading worker may map on top of its start
+    watchdog: float | None = None  # wall clock for a notebook's grading worker (None: `watchdog_s`)
 
     @property
     def watchdog_s(self) -> float:
-        """Wall clock after which a notebook's grading worker is stopped, whatever it is doing."""
-        return self.notebook_s + self.load_timeout_s + 120.0
+        """Wall clock after which a notebook's grading worker is stopped, whatever it is doing: by
+        default the notebook's budget and loading time, and two minutes for the grader's own work."""
+        return self.watchdog if self.watchdog is not None else self.notebook_s + self.load_timeout_s + 120.0
 
 
 @dataclass
@@ -113,7 +115,7 @@ class Sandbox:
             inner = [isolation.interpreter(), "-I", "-S", "-B", "-c", isolation.BOOT, *fds]
             modules = (*self.preload, *self.packages)
             argv = isolation.command(inner, _env(home), modules, self.limits.disk_mb, self._dir)
-            cwd, env = self._dir, {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+            cwd, env = "/", {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
         else:
             cwd = self._dir / "work"
             cwd.mkdir()
