@@ -8,10 +8,18 @@ TORCH := torch==2.13.0
 STAMP := $(VENV)/.nanolab-installed
 LINT_DIRS := $(wildcard nanolab tests bench scripts autograder)
 BUILD_INPUTS := pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/CMakeLists.txt)
+# The editable install maps each module to its file when it is installed, so a module added, moved or
+# removed needs a reinstall: the list of modules is kept in a file that changes only when the list does.
+MODULES := $(sort $(shell find nanolab autograder -name '*.py' -not -path '*/tests/*' 2>/dev/null))
+MODULE_LIST := $(VENV)/.nanolab-modules
 
-.PHONY: setup lab test lint bench labs solutions check-notebooks mutants clean
+.PHONY: setup lab test lint bench labs solutions check-notebooks mutants clean FORCE
 
-$(STAMP): $(BUILD_INPUTS)
+$(MODULE_LIST): FORCE
+	@mkdir -p $(VENV)
+	@echo "$(MODULES)" | cmp -s - $@ || echo "$(MODULES)" > $@
+
+$(STAMP): $(BUILD_INPUTS) $(MODULE_LIST)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
@@ -26,10 +34,25 @@ setup: $(STAMP)
 # JupyterLab refuses to start without --allow-root, so it is added there.
 LAB_ARGS ?=
 ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)
+# The learner's working copy: each lab notebook is copied here once and never overwritten (git ignores it).
+WORK ?= work
+# JupyterLab runs with the venv's bin first on PATH, so its terminals and kernels find `nanolab`; its
+# terminals run the user's shell as it is, not as a login shell, whose /etc/profile would reset PATH.
+# The learner's JupyterLab also reads jupyter/ (no nbgrader menus, buttons or server extensions, no news
+# popup); INSTRUCTOR=1 leaves that out and opens the whole repository, nbgrader's tools included.
+INSTRUCTOR ?=
+LAB_ENV := PATH="$(abspath $(VENV))/bin:$$PATH"
+TERMINAL_ARGS := --ServerApp.terminado_settings=shell_command="$${SHELL:-sh}"
+LEARNER_ENV := JUPYTER_CONFIG_PATH="$(abspath jupyter)$${JUPYTER_CONFIG_PATH:+:$$JUPYTER_CONFIG_PATH}"
 
-## lab: set up, then open the labs in JupyterLab
+## lab: set up, copy new labs into work/ (never overwriting), then open work/ in JupyterLab
 lab: setup
-	$(VENV)/bin/jupyter lab $(ROOT_ARGS) $(LAB_ARGS) labs/
+ifeq ($(INSTRUCTOR),)
+	$(PY) scripts/working_copy.py "$(WORK)"
+	$(LAB_ENV) $(LEARNER_ENV) $(VENV)/bin/jupyter lab $(ROOT_ARGS) $(TERMINAL_ARGS) $(LAB_ARGS) "$(WORK)"
+else
+	$(LAB_ENV) $(VENV)/bin/jupyter lab $(ROOT_ARGS) $(TERMINAL_ARGS) $(LAB_ARGS) .
+endif
 
 ## test: set up, then run the whole test suite
 test: setup

@@ -1,13 +1,18 @@
 """The sandbox side: runs a submission's code and answers the grader's calls over a pipe.
 
-This module is the main program of the sandboxed process (``python -I -m autograder._worker``).
+This module is the main program of the sandboxed process: under bubblewrap it is loaded by path
+with `autograder.codec` and `autograder.confine`, the only files of the grader in the sandbox
+(`autograder.isolation`); elsewhere it runs as ``python -I -m autograder._worker``.
 Everything in this process is untrusted once the submission's first cell runs: the submission may
 patch this module, write to the pipe itself or exit. That is fine, because the grader decides every
-verdict in its own process from plain data it decodes itself (`autograder.codec`); this process can
-only answer wrongly, slowly or not at all, and each of those fails the test that asked.
+verdict in its own process from plain data it decodes itself (`autograder.codec`), and decides
+itself whether the graded names are the learner's own code (`autograder.origin`); this process can
+only answer wrongly, slowly or not at all, and each of those fails the test that asked. What it
+reports about origins can only take credit away.
 
 Before any submission code runs it confines itself (`autograder.confine`): resource limits,
-Landlock where the kernel offers it, and an import blocker for the reference modules of the lab.
+Landlock where the kernel offers it, and an import blocker that names why a blocked module is
+missing (under bubblewrap such modules are not in the sandbox's file system at all).
 Each request carries an id that its reply repeats, so a reply written ahead of time is refused.
 
 Requests (one JSON object each, see `autograder.codec` for framing and values)::
@@ -37,7 +42,7 @@ import types
 from typing import Any
 
 from autograder import codec
-from autograder.confine import apply_limits, block_imports, confine
+from autograder.confine import apply_limits, block_imports, confine, die_with_parent
 
 CELL_PREFIX = "<cell "
 _STDLIB = sysconfig.get_paths()["stdlib"]
@@ -203,6 +208,8 @@ def serve(read_fd: int, write_fd: int) -> None:
 def main() -> None:
     read_fd, write_fd = int(sys.argv[1]), int(sys.argv[2])
     config = json.loads(sys.argv[3])
+    if config.get("parent") is not None:  # a plain process: bubblewrap's namespace does this otherwise
+        die_with_parent(config["parent"])
     for module in config.get("preload", []):
         try:
             __import__(module)

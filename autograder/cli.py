@@ -5,9 +5,12 @@ Examples::
     nanolab grade labs/lab01_tokenizer.ipynb                       # a learner checks their own work
     nanolab grade submissions/*/lab01*.ipynb --jobs 2 --csv grades.csv --json grades.json
     nanolab grade /autograder/submission/*.ipynb --gradescope /autograder/results/results.json
+    nanolab grade submissions/*/lab01*.ipynb --tests ~/private-tests    # their test_lab01*.py as well
 
 The exit status is 0 when every notebook was graded (whatever its score; a notebook that cannot be
-graded scores zero), 1 when the grader itself or its hidden tests failed.
+graded scores zero), 1 when the grader itself or its hidden tests failed, or a results file could not
+be written. Every run says on stderr whether submissions run in a bubblewrap sandbox
+(`autograder.isolation`), and how to get one when they do not.
 """
 
 from __future__ import annotations
@@ -17,9 +20,14 @@ import os
 import sys
 from pathlib import Path
 
-from autograder.grade import DEFAULT_TESTS_DIR, GradeOptions, grade
+from autograder import isolation
+from autograder.feedback import clean
+from autograder.grade import GradeOptions, grade
 from autograder.results import print_table, write_csv, write_gradescope, write_json
-from autograder.sandbox import Limits
+from autograder.sandbox import DEFAULT_MEMORY_MB, Limits
+from autograder.suite import EXTRA
+
+DEFAULT_LIMITS = Limits()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,9 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tests",
         type=Path,
-        default=DEFAULT_TESTS_DIR,
+        default=None,
         metavar="DIR",
-        help="folder of hidden tests test_labNN*.py",
+        help=f"a folder of your own tests test_labNN*.py, graded in addition to the built-in hidden tests "
+        f"(their ids get the prefix '{EXTRA}/')",
     )
     parser.add_argument(
         "--gradescope",
@@ -48,16 +57,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout",
         type=float,
-        default=30.0,
+        default=DEFAULT_LIMITS.call_timeout_s,
         metavar="S",
-        help="seconds one call into a notebook's code may take",
+        help=f"seconds one call into a notebook's code may take (default {DEFAULT_LIMITS.call_timeout_s:g})",
     )
     parser.add_argument(
         "--memory-mb",
         type=int,
         default=None,
         metavar="M",
-        help="memory for a notebook's code (default: per lab)",
+        help=f"memory for a notebook's code (default {DEFAULT_MEMORY_MB}, more for a lab that needs it)",
     )
     parser.add_argument(
         "--seed", type=int, default=None, help="seed of the tests' random inputs (default: fresh)"
@@ -65,6 +74,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--details", action="store_true", help="print every test's result, also for many notebooks"
     )
+
+
+def grade_options(args: argparse.Namespace) -> GradeOptions:
+    """The `GradeOptions` the parsed command line asks for."""
+    limits = Limits(
+        call_timeout_s=args.timeout,
+        load_timeout_s=max(DEFAULT_LIMITS.load_timeout_s, 2 * args.timeout),
+        memory_mb=args.memory_mb,
+    )
+    return GradeOptions(lab=args.lab, extra_tests_dir=args.tests, limits=limits, seed=args.seed)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,33 +94,52 @@ def run(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         print("nanolab grade: --timeout must be positive", file=sys.stderr)
         return 2
-    if not args.tests.is_dir():
+    if args.tests is not None and not args.tests.is_dir():
         print(f"nanolab grade: the tests folder {args.tests} does not exist", file=sys.stderr)
         return 2
-    limits = Limits(
-        call_timeout_s=args.timeout, load_timeout_s=max(60.0, 2 * args.timeout), memory_mb=args.memory_mb
-    )
-    options = GradeOptions(lab=args.lab, tests_dir=args.tests, limits=limits, seed=args.seed)
+    options = grade_options(args)
+    status = isolation.status()
+    print(("" if status.available else "WARNING: ") + status.describe(), file=sys.stderr)
+    _raise_soft_limits()
     jobs = min(args.jobs, os.cpu_count() or 1, len(args.notebooks))
     results = grade(args.notebooks, options, jobs=jobs, progress=sys.stderr.isatty())
 
     print_table(results, sys.stdout, details=True if args.details else None)
-    if any(r.confined is False for r in results):
+    if not status.available and any(r.confined is False for r in results):
         print(
-            "warning: this kernel has no Landlock, so submissions could write outside their sandbox "
+            "WARNING: this kernel has no Landlock either, so submissions could write outside their "
             "directory; grade untrusted work in a container",
             file=sys.stderr,
         )
-    if args.gradescope:
-        write_gradescope(results, args.gradescope)
-    if args.json:
-        write_json(results, args.json)
-    if args.csv:
-        write_csv(results, args.csv)
     failed = [r for r in results if r.internal_error]
     for r in failed:
-        print(f"nanolab grade: {r.submission}: {r.internal_error}", file=sys.stderr)
-    return 1 if failed else 0
+        print(f"nanolab grade: {clean(r.submission)}: {clean(r.internal_error or '')}", file=sys.stderr)
+    written = True
+    for option, write in (
+        (args.gradescope, write_gradescope),
+        (args.json, write_json),
+        (args.csv, write_csv),
+    ):
+        if option:
+            try:
+                write(results, option)
+            except OSError as e:
+                print(f"nanolab grade: could not write {option}: {e}", file=sys.stderr)
+                written = False
+    return 1 if failed or not written else 0
+
+
+def _raise_soft_limits() -> None:
+    """Start from the hard limits: a soft limit lowered from outside (file size, open files) must not
+    cost the batch its results files."""
+    import resource
+
+    for which in (resource.RLIMIT_FSIZE, resource.RLIMIT_NOFILE):
+        try:
+            _, hard = resource.getrlimit(which)
+            resource.setrlimit(which, (hard, hard))
+        except (ValueError, OSError):
+            pass
 
 
 def main(argv: list[str] | None = None) -> int:

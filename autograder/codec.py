@@ -24,6 +24,11 @@ a sandbox object    ``{"$h": id, "type": "ClassName", "callable": bool}`` (a han
 
 Messages are framed as an 8-byte big-endian length followed by that many bytes of UTF-8 JSON.
 
+What the grader decodes comes from a process it does not trust, so decoding is bounded: a reply of at
+most `MAX_REPLY_BYTES`, `MAX_ITEMS` values in all, `MAX_KEYS` entries in one dict or set, no more than
+`MAX_SAME_HASH` keys of one dict or set sharing a hash (ints such as ``k * (2**61 - 1)`` all hash
+alike, and would make building the dict quadratic), nesting of at most `MAX_DEPTH`, and a deadline.
+
 Deliberately left out: custom classes, and any way to send code.
 """
 
@@ -33,11 +38,17 @@ import base64
 import json
 import math
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a bigger reply is refused (and fails the call)
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a bigger request is refused by the sandbox
+MAX_REPLY_BYTES = 8 * 1024 * 1024  # a bigger reply is refused by the grader (and fails the call)
 MAX_DEPTH = 64  # nesting deeper than this is refused
+MAX_ITEMS = 1_000_000  # values in one decoded message
+MAX_KEYS = 100_000  # entries in one dict or set
+MAX_SAME_HASH = 16  # keys of one dict or set with the same hash
+DECODE_SECONDS = 10.0  # the longest the grader spends decoding one reply
 HEADER_BYTES = 8
 
 # Array dtypes that may cross, by name. Object arrays never do.
@@ -133,52 +144,84 @@ def _encode_torch(value: Any) -> Any:
 # ---------------------------------------------------------------------------------------------- decode
 
 
-def decode(data: Any, make_remote: Callable[[dict], Any] | None = None, _depth: int = 0) -> Any:
+def decode(data: Any, make_remote: Callable[[dict], Any] | None = None, deadline: float | None = None) -> Any:
     """Rebuild a value from `encode`'s output, creating only the types in the module docstring.
 
-    Handles become ``make_remote(tag)``; without ``make_remote`` a handle raises `CodecError`.
+    Handles become ``make_remote(tag)``; without ``make_remote`` a handle raises `CodecError`. Past
+    ``deadline`` (`time.monotonic`), or beyond the limits in the module docstring, `CodecError`.
     """
-    if _depth > MAX_DEPTH:
-        raise CodecError(f"value is nested more than {MAX_DEPTH} levels deep")
-    if data is None or type(data) in (bool, int, float, str):
-        return data
-    if type(data) is list:
-        return [decode(v, make_remote, _depth + 1) for v in data]
-    if type(data) is not dict or len(data) == 0:
-        raise CodecError(f"unexpected {type(data).__name__} in message")
-    if "$t" in data:
-        return tuple(decode(v, make_remote, _depth + 1) for v in _list(data["$t"]))
-    if "$b" in data:
-        return _b64(data["$b"])
-    if "$s" in data:
+    return _Decoder(make_remote, deadline).value(data, 0)
+
+
+class _Decoder:
+    """One message's decoding: counts what it builds and watches the clock."""
+
+    def __init__(self, make_remote: Callable[[dict], Any] | None, deadline: float | None):
+        self.make_remote = make_remote
+        self.deadline = deadline
+        self.items = 0
+
+    def tick(self) -> None:
+        self.items += 1
+        if self.items > MAX_ITEMS:
+            raise CodecError(f"a message may hold at most {MAX_ITEMS} values")
+        if self.deadline is not None and self.items % 1024 == 0 and time.monotonic() > self.deadline:
+            raise CodecError("decoding the message took too long")
+
+    def value(self, data: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise CodecError(f"value is nested more than {MAX_DEPTH} levels deep")
+        self.tick()
+        if data is None or type(data) in (bool, int, float, str):
+            return data
+        if type(data) is list:
+            return [self.value(v, depth + 1) for v in data]
+        if type(data) is not dict or len(data) == 0:
+            raise CodecError(f"unexpected {type(data).__name__} in message")
+        if "$t" in data:
+            return tuple(self.value(v, depth + 1) for v in _list(data["$t"]))
+        if "$b" in data:
+            return _b64(data["$b"])
+        if "$s" in data:
+            members = [self.value(v, depth + 1) for v in _list(data["$s"])]
+            _check_keys(members)
+            return set(members)
+        if "$d" in data:
+            items = []
+            for item in _list(data["$d"]):
+                if type(item) is not list or len(item) != 2:
+                    raise CodecError("a dict item must be a [key, value] pair")
+                items.append((self.value(item[0], depth + 1), self.value(item[1], depth + 1)))
+            _check_keys([key for key, _ in items])
+            return dict(items)
+        if "$f" in data:
+            if data["$f"] not in ("nan", "inf", "-inf"):
+                raise CodecError(f"bad float {data['$f']!r}")
+            return float(data["$f"])
+        if "$nd" in data:
+            return _decode_array(data["$nd"])
+        if "$pt" in data:
+            return _decode_tensor(data["$pt"])
+        if "$h" in data:
+            if self.make_remote is None or type(data["$h"]) is not int:
+                raise CodecError("unexpected object handle")
+            return self.make_remote(data)
+        raise CodecError(f"unknown tag in {sorted(data)[:3]}")
+
+
+def _check_keys(keys: list) -> None:
+    """Refuse the keys of a dict or set that are too many, unhashable, or collide on purpose."""
+    if len(keys) > MAX_KEYS:
+        raise CodecError(f"a dict or set may hold at most {MAX_KEYS} entries")
+    seen: dict[int, int] = {}
+    for key in keys:
         try:
-            return {decode(v, make_remote, _depth + 1) for v in _list(data["$s"])}
-        except TypeError as e:  # an unhashable member such as a list
-            raise CodecError(f"unusable set member: {e}") from None
-    if "$d" in data:
-        out = {}
-        for item in _list(data["$d"]):
-            if type(item) is not list or len(item) != 2:
-                raise CodecError("a dict item must be a [key, value] pair")
-            key = decode(item[0], make_remote, _depth + 1)
-            try:
-                out[key] = decode(item[1], make_remote, _depth + 1)
-            except TypeError as e:  # unhashable key such as a list
-                raise CodecError(f"unusable dict key: {e}") from None
-        return out
-    if "$f" in data:
-        if data["$f"] not in ("nan", "inf", "-inf"):
-            raise CodecError(f"bad float {data['$f']!r}")
-        return float(data["$f"])
-    if "$nd" in data:
-        return _decode_array(data["$nd"])
-    if "$pt" in data:
-        return _decode_tensor(data["$pt"])
-    if "$h" in data:
-        if make_remote is None or type(data["$h"]) is not int:
-            raise CodecError("unexpected object handle")
-        return make_remote(data)
-    raise CodecError(f"unknown tag in {sorted(data)[:3]}")
+            h = hash(key)
+        except TypeError as e:  # an unhashable key or member such as a list
+            raise CodecError(f"unusable dict key or set member: {e}") from None
+        seen[h] = seen.get(h, 0) + 1
+        if seen[h] > MAX_SAME_HASH:
+            raise CodecError(f"more than {MAX_SAME_HASH} keys of a dict or set share one hash")
 
 
 def _list(value: Any) -> list:
@@ -249,6 +292,8 @@ def dumps(message: dict) -> bytes:
 
 def loads(body: bytes) -> dict:
     """Parse one message body (without its header); anything but a JSON object raises `CodecError`."""
+    if len(body) > MAX_MESSAGE_BYTES:
+        raise CodecError(f"message of {len(body)} bytes is larger than {MAX_MESSAGE_BYTES}")
     try:
         message = json.loads(body.decode("utf-8"))
     except (ValueError, RecursionError) as e:

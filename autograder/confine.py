@@ -1,15 +1,16 @@
 """How the sandboxed process confines itself before it runs a submission's code.
 
 Three layers, all applied by the process to itself (so they hold for everything it later runs,
-children included):
+children included), inside bubblewrap's sandbox where the grader could start one
+(`autograder.isolation`) and on their own where it could not:
 
 - resource limits: address space, CPU seconds, written file size, no core files (`apply_limits`);
 - Landlock, where the Linux kernel has it: no writes outside one directory, no ptrace of other
   processes, and (Landlock ABI 6, Linux 6.12+) no signals to processes outside the sandbox (`confine`);
-- an import blocker for the reference modules of the lab being graded (`block_imports`).
+- an import blocker for the reference modules of the lab being graded (`block_imports`): under
+  bubblewrap they are absent anyway and it only says why; without it, it is all there is.
 
-Deliberately left out: network isolation, user namespaces and seccomp; grade untrusted work at scale
-inside a container as well.
+Deliberately left out here: namespaces (bubblewrap's part) and seccomp.
 """
 
 from __future__ import annotations
@@ -112,6 +113,17 @@ def confine(writable_dir: str) -> dict[str, bool]:
         return {"writes": True, "signals": bool(scoped)}
     except (OSError, AttributeError):
         return none
+
+
+def die_with_parent(parent: int) -> None:
+    """Be killed when the grader that started this process dies (Linux); exit now if it is gone."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 class ImportBlocker(importlib.abc.MetaPathFinder):

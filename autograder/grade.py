@@ -1,38 +1,54 @@
 """Grading notebooks: read each one, run the lab's hidden tests against it, collect the results.
 
-`grade` is what ``nanolab grade`` calls. Each notebook is graded by a worker process of the grader
-(trusted: it runs pytest and the reference implementation), which in turn runs the submission's code
-in a sandboxed process (`autograder.sandbox`). Workers are reused across notebooks, ``jobs`` of them
-in parallel. A notebook that cannot be graded gets a zero and a message; the batch always goes on.
+`grade` is what ``nanolab grade`` calls. Each notebook is graded by a fresh worker process of the
+grader (trusted: it runs pytest and the reference implementation), ``jobs`` at a time, each under a
+watchdog (`autograder.batch`); the worker in turn runs the submission's code in a sandboxed process
+(`autograder.sandbox`). A worker may map at most `Limits.grader_memory_mb` more than it starts with,
+adopts whatever the submission leaves running and kills it at the end. A notebook that cannot be
+graded gets a zero and a message; the batch always goes on, and every notebook gets a result.
 
-The hidden tests are read once, before any submission runs, and every notebook is graded against
-that in-memory copy. Sandboxes cannot write outside their own directory where the kernel has
-Landlock; where it has not, the test files on disk are compared with that copy after each
-notebook, restored if they changed, and the notebook graded then gets no credit.
+The hidden tests (the built-in ones, and an instructor's extra ones in addition) are read once,
+before any submission runs, and every notebook is graded against that in-memory copy
+(`autograder.suite`). Under bubblewrap a sandbox cannot even see them; without it, Landlock keeps it
+from writing outside its own directory where the kernel has Landlock, and where it has not, the test
+files on disk are compared with that copy after each notebook, restored if they changed, and the
+notebook graded then gets no credit.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
-import multiprocessing
+import os
 import secrets
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
-from concurrent.futures import Future, ProcessPoolExecutor, as_completed
-from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
+from autograder import batch, feedback, isolation, proctree
 from autograder.labs import LABS, LabSpec
 from autograder.notebook import SubmissionError, notebook_lab, read_notebook, read_submission
-from autograder.results import SubmissionResult, TestResult
+from autograder.results import SubmissionResult
 from autograder.sandbox import Limits
+from autograder.suite import EXTRA, TestFolder
 
 DEFAULT_TESTS_DIR = Path(__file__).resolve().parent / "tests"
+
+PYTEST_ARGS = [
+    "-q",
+    "--no-header",
+    "--assert=plain",  # feedback is the assertion's own message, never the compared values
+    "--tb=no",
+    "--import-mode=importlib",
+    "-p",
+    "no:cacheprovider",
+    "-W",
+    "ignore::pytest.PytestAssertRewriteWarning",
+]
 
 
 @dataclass(frozen=True)
@@ -40,18 +56,24 @@ class GradeOptions:
     """How to grade: which lab, which hidden tests, what limits."""
 
     lab: int | None = None  # None: the lab named in each notebook
-    tests_dir: Path = DEFAULT_TESTS_DIR
+    tests_dir: Path = DEFAULT_TESTS_DIR  # the built-in hidden tests
+    extra_tests_dir: Path | None = None  # an instructor's own tests, graded in addition (ids: extra/...)
     limits: Limits = field(default_factory=Limits)
     seed: int | None = None  # None: a fresh random seed per notebook
     max_restarts: int = 2  # sandbox restarts after a crash or timeout, per notebook
 
+    def resolved(self) -> GradeOptions:
+        """These options with the sandbox decided: bubblewrap where it can run, unless turned off."""
+        if self.limits.isolate is not None:
+            return self
+        return replace(self, limits=replace(self.limits, isolate=isolation.status().available))
 
-def load_tests(tests_dir: Path) -> dict[str, bytes]:
-    """Every ``.py`` file directly in ``tests_dir`` (test modules and their helpers), by name."""
-    tests_dir = Path(tests_dir)
-    if not tests_dir.is_dir():
-        raise FileNotFoundError(f"the hidden tests folder {tests_dir} does not exist")
-    return {p.name: p.read_bytes() for p in sorted(tests_dir.glob("*.py"))}
+    def read_tests(self) -> tuple[TestFolder, ...]:
+        """The built-in tests, then the extra ones; FileNotFoundError for a folder that is not there."""
+        folders = [TestFolder.read(self.tests_dir)]
+        if self.extra_tests_dir is not None:
+            folders.append(TestFolder.read(self.extra_tests_dir, EXTRA))
+        return tuple(folders)
 
 
 def _spec_for_rejected(path: Path, lab: int | None) -> LabSpec | None:
@@ -63,11 +85,19 @@ def _spec_for_rejected(path: Path, lab: int | None) -> LabSpec | None:
     return LABS.get(lab) if lab is not None else None
 
 
-def grade_notebook(path: str | Path, options: GradeOptions, tests: dict[str, bytes]) -> SubmissionResult:
-    """Grade one notebook in this process (the sandbox is still a separate process)."""
+def grade_notebook(
+    path: str | Path,
+    options: GradeOptions,
+    tests: Sequence[TestFolder],
+    report: Callable[..., Any] | None = None,
+) -> SubmissionResult:
+    """Grade one notebook in this process (the sandbox is still a separate process). ``report``, if
+    given, is told the lab, the collected tests and each verdict as they come (`autograder.batch`)."""
+    report = report or (lambda *message: None)
     import pytest
 
-    from autograder.plugin import GradingPlugin, Session
+    from autograder.plugin import GradingPlugin
+    from autograder.session import Session
 
     start = time.monotonic()
     seed = options.seed if options.seed is not None else secrets.randbits(32)
@@ -87,76 +117,95 @@ def grade_notebook(path: str | Path, options: GradeOptions, tests: dict[str, byt
             result.execution_time = time.monotonic() - start
             return result
     result.lab = spec.number
+    report("lab", spec.number)
 
-    test_files = sorted(n for n in tests if n.startswith(spec.test_prefix) and n.endswith(".py"))
-    if not test_files:
+    if not any(folder.modules_for(spec) for folder in tests):
+        where = " or ".join(str(folder.path) for folder in tests)
         result.internal_error = (
-            f"no hidden tests for lab {spec.number}: expected {spec.test_prefix}*.py in {options.tests_dir}"
+            f"no hidden tests for lab {spec.number}: expected {spec.test_prefix}*.py in {where}"
         )
         result.messages.append(result.internal_error)
         return result
 
-    session = Session(submission, spec, options.limits, rejected, options.max_restarts)
-    plugin = GradingPlugin(session, seed)
+    session = Session(submission, spec, options.limits, seed, rejected, options.max_restarts)
     with tempfile.TemporaryDirectory(prefix="nanolab-tests-") as tmp:
-        for name, source in tests.items():
-            (Path(tmp) / name).write_bytes(source)
+        modules, prefixes = [], {}
+        for folder in tests:
+            written = folder.write_into(Path(tmp))
+            prefixes[written] = folder.id_prefix
+            modules += [str(written / name) for name in folder.modules_for(spec)]
         (Path(tmp) / "pytest.ini").write_text("[pytest]\n")
-        args = [
-            "-q",
-            "--no-header",
-            "--assert=plain",
-            "--tb=no",
-            "--import-mode=importlib",
-            "-p",
-            "no:cacheprovider",
-        ]
-        args += [
-            "-W",
-            "ignore::pytest.PytestAssertRewriteWarning",
-            "--rootdir",
-            tmp,
-            "-c",
-            f"{tmp}/pytest.ini",
-        ]
+        plugin = GradingPlugin(session, prefixes, _safe_feedback(tests, submission), report)
+        args = [*PYTEST_ARGS, "--rootdir", tmp, "-c", f"{tmp}/pytest.ini", *modules]
         log = io.StringIO()
         try:
             with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-                code = pytest.main([*args, *(f"{tmp}/{n}" for n in test_files)], plugins=[plugin])
+                code = pytest.main(args, plugins=[plugin])
         finally:
             session.close()
-            _forget_modules(tmp)
+            _forget_modules(tmp, [folder.name for folder in tests])
     result.confined = session.sandbox.confined if session.sandbox is not None else None
-    result.tests = [
-        TestResult(
-            r.id,
-            r.name,
-            r.max_score if r.status == "passed" else 0.0,
-            r.max_score,
-            r.status,
-            r.output,
-            r.visibility,
-        )
-        for r in plugin.records.values()
-    ]
-    if plugin.collection_errors or (not plugin.records and code not in (0, 1)):
+    result.isolated = session.sandbox.isolated if session.sandbox is not None else None
+    result.tests = list(plugin.results.values())
+    if plugin.collection_errors or (not plugin.results and code not in (0, 1)):
         detail = "\n".join(plugin.collection_errors) or log.getvalue()[-1500:]
         result.internal_error = f"the hidden tests for lab {spec.number} could not run:\n{detail}"
         result.messages.append(result.internal_error)
+    result.messages = [feedback.clean(message) for message in result.messages]
     result.execution_time = time.monotonic() - start
     return result
 
 
-def _forget_modules(directory: str) -> None:
-    """Drop the test modules imported from ``directory`` so the next notebook imports them afresh."""
+def _safe_feedback(tests: Sequence[TestFolder], submission: Any) -> Callable[[str], str]:
+    """What every test's feedback goes through: no control characters, no line of the hidden tests,
+    the solutions or the reference, unless the learner's own notebook has it too."""
+    secret, public = feedback.grader_sources()
+    hidden = [data.decode("utf-8", "replace") for folder in tests for data in folder.files.values()]
+    own = [cell["source"] for cell in submission.cells] if submission is not None else []
+    redact = feedback.Redactor([*hidden, *secret], [*public, *own])
+    return lambda text: feedback.clean(redact(text))
+
+
+def _forget_modules(directory: str, folders: list[str]) -> None:
+    """Drop the test modules imported from ``directory``, and the empty packages pytest made for its
+    ``folders`` (``extra`` for ``extra/test_lab01.py``), so the next notebook imports them afresh."""
     for name, module in list(sys.modules.items()):
-        if (getattr(module, "__file__", None) or "").startswith(directory):
+        from_directory = (getattr(module, "__file__", None) or "").startswith(directory)
+        if from_directory or (name.split(".")[0] in folders and getattr(module, "__file__", None) is None):
             del sys.modules[name]
 
 
-def _grade_task(path: str, options: GradeOptions, tests: dict[str, bytes]) -> dict:
+def _grade_task(conn: Any) -> None:
+    """A batch worker's whole life: grade one notebook, talking through ``conn`` (`autograder.batch`)."""
+    path, options, tests = conn.recv()
     _not_dumpable()
-    return grade_notebook(path, options, tests).to_dict()
+    proctree.become_subreaper()  # what the submission detaches stays below this process
+    _limit_memory(options.limits.grader_memory_mb)
+    try:
+        result = grade_notebook(path, options, tests, lambda *message: conn.send(message))
+    except BaseException as e:  # noqa: B036 - a bug in the grader: this notebook's result says so
+        result = _internal_failure(path, options, e)
+    finally:
+        proctree.kill_tree(os.getpid(), include_root=False)  # whatever the submission left running
+        proctree.reap()
+    conn.send(("done", result.to_dict()))
+    conn.close()
+
+
+def _limit_memory(megabytes: int) -> None:
+    """Cap this process's address space at what it maps now plus ``megabytes`` (Linux)."""
+    import resource
+
+    try:
+        with open("/proc/self/status") as f:
+            mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        limit = mapped + megabytes * 1024 * 1024
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    except (OSError, ValueError, StopIteration):
+        pass
 
 
 def _not_dumpable() -> None:
@@ -170,24 +219,19 @@ def _not_dumpable() -> None:
             pass
 
 
-def _digest(files: dict[str, bytes]) -> dict[str, str]:
-    return {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
-
-
-def _check_tests_unchanged(options: GradeOptions, tests: dict[str, bytes], result: SubmissionResult) -> None:
-    """Restore the hidden tests on disk if they changed while ``result`` was graded, and void it."""
-    try:
-        now = load_tests(options.tests_dir)
-    except OSError:
-        now = {}
-    if _digest(now) == _digest(tests):
+def _check_tests_unchanged(tests: Sequence[TestFolder], result: SubmissionResult) -> None:
+    """Restore the hidden tests on disk if they changed while ``result`` was graded, and void it.
+    Only for a submission that ran without bubblewrap: one that ran in it could not even see them (and
+    an instructor editing the tests meanwhile must not see the edits undone)."""
+    if result.isolated:
         return
-    for name, data in tests.items():
-        (Path(options.tests_dir) / name).write_bytes(data)
-    for name in set(now) - set(tests):
-        (Path(options.tests_dir) / name).unlink(missing_ok=True)
+    changed = [folder for folder in tests if folder.changed_on_disk()]
+    if not changed:
+        return
+    for folder in changed:
+        folder.restore()
     for test in result.tests:
-        test.score, test.status = 0.0, "failed"
+        test.status = "failed"
     result.messages.append(
         "the hidden test files changed on disk while this notebook was graded; they were restored, "
         "and this notebook gets no credit"
@@ -209,49 +253,22 @@ def grade(
     jobs: int = 1,
     progress: bool = True,
 ) -> list[SubmissionResult]:
-    """Grade ``paths`` (``jobs`` at a time) and return their results in the same order.
-
-    If a grading worker dies (which a submission should not be able to cause, but might where the
-    kernel lacks Landlock), the notebooks it left unfinished are graded again one by one, each in a
-    fresh worker, so one notebook can only ever spoil its own result.
-    """
+    """Grade ``paths`` (``jobs`` at a time, each in a fresh worker under a watchdog) and return their
+    results in the same order; every notebook gets one, whatever happens (`autograder.batch`)."""
     from tqdm.auto import tqdm
 
-    options = options or GradeOptions()
-    tests = load_tests(options.tests_dir)
+    options = (options or GradeOptions()).resolved()
+    tests = options.read_tests()
     paths = [str(p) for p in paths]
-    results: dict[int, SubmissionResult] = {}
-
-    def run_pool(indices: list[int], workers: int) -> list[int]:
-        """Grade ``indices`` in one pool; returns those left unfinished because the pool broke."""
-        broken = []
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-            futures: dict[Future, int] = {
-                pool.submit(_grade_task, paths[i], options, tests): i for i in indices
-            }
-            for future in as_completed(futures):
-                i = futures[future]
-                try:
-                    result = SubmissionResult.from_dict(future.result())
-                except BrokenProcessPool:
-                    broken.append(i)
-                    continue
-                except Exception as e:  # a bug in the grader: report it, keep grading the others
-                    result = _internal_failure(paths[i], options, e)
-                _check_tests_unchanged(options, tests, result)
-                results[i] = result
-                bar.update()
-        return broken
-
     with tqdm(
         total=len(paths), desc="grading", unit="notebook", disable=not progress or len(paths) < 2
     ) as bar:
-        broken = run_pool(list(range(len(paths))), max(1, min(jobs, len(paths))))
-        for i in sorted(broken):
-            if run_pool([i], 1):
-                results[i] = _internal_failure(
-                    paths[i], options, BrokenProcessPool("its grading process died")
-                )
-                bar.update()
-    return [results[i] for i in range(len(paths))]
+
+        def done(index: int, result: SubmissionResult) -> None:
+            if result.isolated is None:
+                result.isolated = options.limits.isolate
+            _check_tests_unchanged(tests, result)
+            bar.update()
+
+        jobs = max(1, min(jobs, len(paths)))
+        return batch.run(paths, _grade_task, (options, tests), jobs, options.limits.watchdog_s, done)

@@ -8,12 +8,16 @@ cells never run during grading.
 
 The reference modules a lab mirrors are blocked inside the sandbox while that lab is graded, so a
 learner's `Tokenizer` that is really ``nanolab.Tokenizer`` fails loudly instead of scoring.
+
+Adding a lab starts here, with its `LabSpec` in `LABS`; ``autograder/README.md`` lists the other places.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
+
+from autograder.sandbox import DEFAULT_MEMORY_MB
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,12 @@ class LabSpec:
     graded_cells: MappingProxyType  # grade_id -> names that cell must define (learner's own code)
     blocked_modules: MappingProxyType  # module -> why graded code may not import it
     preload: tuple[str, ...] = ()  # imported in the sandbox before limits apply (speed, address space)
-    memory_mb: int = 1024  # sandbox address space on top of the interpreter and the preloads
+    # Third-party packages graded code may import besides the preloads. The sandbox's file system holds
+    # these, the preloads and their dependencies, and no other package (autograder.isolation).
+    packages: tuple[str, ...] = ()
+    # Sandbox address space on top of the interpreter and the preloads. Raise it only for a lab that
+    # truly needs more, with the reason in a comment.
+    memory_mb: int = DEFAULT_MEMORY_MB
 
     @property
     def graded_names(self) -> tuple[str, ...]:
@@ -73,7 +82,6 @@ LABS: dict[int, LabSpec] = {
             }
         ),
         preload=("regex",),
-        memory_mb=1024,  # pure-Python BPE on small texts needs far less; MemoryError comes quickly
     ),
     2: LabSpec(
         number=2,
@@ -102,10 +110,36 @@ LABS: dict[int, LabSpec] = {
         ),
         # The models run in the grader: the sandbox gets each layer's q, k, v and sends back the
         # attention, so it needs torch (preloaded: importing it maps a lot of address space) but holds
-        # only small tensors. The solution passes with 256 MB on top of torch; 2048 leaves room for
-        # correct code that materialises more (full score matrices, float64 copies).
+        # only small tensors. The solution passes with 256 MB on top of torch; 2048 (twice the default)
+        # leaves room for correct code that materialises more (full score matrices, float64 copies).
         preload=("torch", "numpy"),
         memory_mb=2048,
+    ),
+    3: LabSpec(
+        number=3,
+        name="paged-kv",
+        title="Lab 3: Paged KV memory",
+        notebook="lab03_paged_kv.ipynb",
+        setup_cells=("setup",),
+        graded_cells=MappingProxyType(
+            {
+                "simulate": ("simulate",),
+                "block-allocator": ("BlockAllocator",),
+                "slots": ("slot_of", "slot_mapping"),
+                "block-manager": ("BlockManager",),
+                "paged-kv-cache": ("PagedKVCache",),
+            }
+        ),
+        blocked_modules=MappingProxyType(
+            {
+                "nanolab": _OWN_CODE,
+                "autograder": "graded code may not use the grader",
+                "vllm": "your allocator and paged attention must be your own",
+            }
+        ),
+        # The models run in the grader; the sandbox holds the learner's pools (a few MB) and gets each
+        # layer's q, k, v. torch is preloaded because importing it maps a lot of address space.
+        preload=("torch", "numpy"),
     ),
 }
 

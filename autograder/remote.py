@@ -3,14 +3,14 @@
 A hidden test sees three outcomes of a call into the learner's code: plain data (decoded by
 `autograder.codec`), a `Remote` handle for an object that stays in the sandbox, or an exception:
 `RemoteError` when the learner's code raised, `SandboxFailure` when its process did not answer.
+
+A `Remote` talks to the process its object lives in through the small `Host` interface, which
+`autograder.sandbox.Sandbox` provides; this module imports nothing of the grader's.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from autograder.sandbox import Sandbox
+from typing import Any, Protocol
 
 
 class SandboxFailure(Exception):
@@ -27,6 +27,24 @@ class RemoteError(Exception):
         self.traceback = traceback
 
 
+class Host(Protocol):
+    """The process a `Remote`'s object lives in (`autograder.sandbox.Sandbox`).
+
+    ``generation`` counts the process's restarts: a handle made by an earlier generation names an
+    object that no longer exists, and `get` and `call` refuse it with `SandboxFailure`.
+    """
+
+    generation: int
+
+    def get(self, target: Remote | None, name: str) -> Any:
+        """``getattr(target, name)`` in the process (a global of the notebook when target is None)."""
+        ...
+
+    def call(self, target: Remote, args: tuple, kwargs: dict) -> Any:
+        """``target(*args, **kwargs)`` in the process."""
+        ...
+
+
 class Remote:
     """A handle to an object living in the sandbox; attribute access and calls are proxied.
 
@@ -36,7 +54,7 @@ class Remote:
 
     __slots__ = ("_sandbox", "_tag", "_generation")
 
-    def __init__(self, sandbox: Sandbox, tag: dict):
+    def __init__(self, sandbox: Host, tag: dict):
         object.__setattr__(self, "_sandbox", sandbox)
         object.__setattr__(self, "_tag", {"$h": tag["$h"]})
         object.__setattr__(self, "_generation", sandbox.generation)

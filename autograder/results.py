@@ -4,29 +4,47 @@ Gradescope's format (one ``results.json`` per submission) is documented at
 https://gradescope-autograders.readthedocs.io/en/latest/specs/: a top-level ``score``,
 ``execution_time``, ``output`` and a ``tests`` list whose entries have ``name``, ``score``,
 ``max_score``, ``status`` ("passed"/"failed"), ``output`` and ``visibility``.
+
+Every file is written whole or not at all (a temporary file beside it, then renamed over it), and
+everything printed to a terminal goes through `autograder.feedback.clean` first.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
+import os
 import re
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from autograder.feedback import clean
+
 
 @dataclass
 class TestResult:
-    """One hidden test's verdict on one submission."""
+    """One hidden test's verdict on one submission.
 
-    id: str  # the test function's name: a stable key (CSV column)
-    name: str  # what it checks, for people
-    score: float
+    The grader makes it when pytest collects the test (failed, "did not run") and updates it as the
+    test's reports come in, so a test that never got to run is still listed, with no points.
+    """
+
+    __test__ = False  # not a pytest test class
+
+    id: str  # the test function's name (an instructor's extra test: prefixed): a stable key, a CSV column
+    name: str  # what it checks, for people: the first line of the test's docstring
     max_score: float
-    status: str  # "passed" or "failed"
-    output: str  # feedback for the learner; empty when passed
-    visibility: str = "visible"
+    visibility: str = "visible"  # Gradescope's: visible, hidden, after_due_date, after_published
+    status: str = "failed"  # "passed" or "failed"
+    output: str = "did not run"  # feedback for the learner; empty when passed
+
+    @property
+    def score(self) -> float:
+        """All of the test's points when it passed, none otherwise."""
+        return self.max_score if self.status == "passed" else 0.0
 
 
 @dataclass
@@ -41,7 +59,8 @@ class SubmissionResult:
     execution_time: float = 0.0
     seed: int | None = None
     internal_error: str | None = None  # a fault of the grader or its tests, not of the submission
-    confined: bool | None = None  # whether the sandbox could not write outside its directory (Landlock)
+    confined: bool | None = None  # whether the sandbox could not write outside its directory
+    isolated: bool | None = None  # whether the sandbox ran under bubblewrap (autograder.isolation)
 
     @property
     def score(self) -> float:
@@ -92,16 +111,33 @@ def submission_key(path: str) -> str:
 def write_gradescope(results: list[SubmissionResult], path: Path) -> list[Path]:
     """One result: ``path`` is the results.json. Several: ``path`` is a directory of ``<key>.json``."""
     if len(results) == 1:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(results[0].to_gradescope(), indent=2) + "\n")
+        write_atomically(path, json.dumps(results[0].to_gradescope(), indent=2) + "\n")
         return [path]
     path.mkdir(parents=True, exist_ok=True)
     written = []
     for result in results:
         out = path / f"{submission_key(result.submission)}.json"
-        out.write_text(json.dumps(result.to_gradescope(), indent=2) + "\n")
+        write_atomically(out, json.dumps(result.to_gradescope(), indent=2) + "\n")
         written.append(out)
     return written
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: into a temporary file beside it, then renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def write_json(results: list[SubmissionResult], path: Path) -> None:
@@ -113,8 +149,7 @@ def write_json(results: list[SubmissionResult], path: Path) -> None:
         for test, data in zip(r.tests, row["tests"]):
             data["id"] = test.id
         rows.append(row)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(rows, indent=2) + "\n")
+    write_atomically(path, json.dumps(rows, indent=2) + "\n")
 
 
 def write_csv(results: list[SubmissionResult], path: Path) -> None:
@@ -122,23 +157,23 @@ def write_csv(results: list[SubmissionResult], path: Path) -> None:
     test_ids: list[str] = []
     for r in results:
         test_ids += [t.id for t in r.tests if t.id not in test_ids]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["submission", "lab", *test_ids, "total", "max_score", "notes"])
-        for r in results:
-            scores = {t.id: t.score for t in r.tests}
-            notes = " | ".join(m.splitlines()[0] for m in r.messages if m)
-            writer.writerow(
-                [
-                    r.submission,
-                    r.lab,
-                    *(_num(scores.get(i, 0.0)) for i in test_ids),
-                    _num(r.score),
-                    _num(r.max_score),
-                    notes,
-                ]
-            )
+    f = io.StringIO(newline="")
+    writer = csv.writer(f)
+    writer.writerow(["submission", "lab", *test_ids, "total", "max_score", "notes"])
+    for r in results:
+        scores = {t.id: t.score for t in r.tests}
+        notes = " | ".join(m.splitlines()[0] for m in r.messages if m)
+        writer.writerow(
+            [
+                r.submission,
+                r.lab,
+                *(_num(scores.get(i, 0.0)) for i in test_ids),
+                _num(r.score),
+                _num(r.max_score),
+                notes,
+            ]
+        )
+    write_atomically(path, f.getvalue())
 
 
 def _num(x: float) -> str:
@@ -148,7 +183,8 @@ def _num(x: float) -> str:
 def print_table(results: list[SubmissionResult], out: TextIO, details: bool | None = None) -> None:
     """A summary line per submission; with ``details`` (default: for a single one) every test too."""
     details = len(results) == 1 if details is None else details
-    width = max([len(r.submission) for r in results] + [10])
+    name = {id(r): clean(r.submission) for r in results}
+    width = max([len(n) for n in name.values()] + [10])
     print(f"{'submission':<{width}}  lab  {'score':>11}  notes", file=out)
     for r in results:
         note = (
@@ -156,16 +192,16 @@ def print_table(results: list[SubmissionResult], out: TextIO, details: bool | No
         )
         lab = "?" if r.lab is None else str(r.lab)
         score = f"{_num(r.score)}/{_num(r.max_score)}"
-        print(f"{r.submission:<{width}}  {lab:>3}  {score:>11}  {note[:100]}", file=out)
+        print(f"{name[id(r)]:<{width}}  {lab:>3}  {score:>11}  {clean(note)[:100]}", file=out)
     if not details:
         return
     for r in results:
         print(file=out)
         for message in r.messages:
-            print(message, file=out)
+            print(clean(message), file=out)
         for t in r.tests:
             mark = "pass" if t.status == "passed" else "FAIL"
-            print(f"  {mark}  {_num(t.score):>4}/{_num(t.max_score):<4} {t.name}", file=out)
+            print(f"  {mark}  {_num(t.score):>4}/{_num(t.max_score):<4} {clean(t.name)}", file=out)
             if t.status != "passed" and t.output:
-                for line in t.output.splitlines():
+                for line in clean(t.output).splitlines():
                     print(f"              {line}", file=out)

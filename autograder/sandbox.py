@@ -1,16 +1,18 @@
 """The grader's side of the sandbox: start the submission's process, call into it, kill it.
 
-`Sandbox` starts ``python -I -m autograder._worker`` in an empty temporary directory, in its own
-process group, with stdin closed and its output going to a log file, and talks to it over two pipes.
-Every reply is decoded by `autograder.codec` into plain data or `Remote` handles, so what comes back
-cannot run code or fake a comparison here. A call that does not answer within its time limit, or
-whose process dies, raises `SandboxFailure`; the process is then killed and the `Sandbox` is dead
-(the pytest plugin decides whether to start a fresh one).
+`Sandbox` starts the worker (`autograder._worker`) with stdin closed, its output going to a log file
+of the grader's, and talks to it over two pipes. Where bubblewrap can run, the process gets its own
+uid, namespaces and file system (`autograder.isolation`); elsewhere it is a plain process in an empty
+temporary directory, and `Sandbox.isolated` is False. Every reply is decoded by `autograder.codec` into
+plain data or `Remote` handles, so what comes back cannot run code or fake a comparison here. A call
+that does not answer within its time limit, or whose process dies, raises `SandboxFailure`; every
+process of the sandbox is then killed (`autograder.proctree`) and the `Sandbox` is dead (the grading
+session, `autograder.session`, decides whether to start a fresh one).
 
 Limits: address space (``memory_mb`` on top of what the interpreter and the preloaded modules map),
-CPU seconds, written file size, wall clock per call; writes outside the working directory are
-refused where the kernel has Landlock (`Sandbox.confined` tells). What crosses back is described
-in `autograder.remote`.
+CPU seconds, written file size, the size of its tmpfs, wall clock per call; writes outside its
+directory are refused (bubblewrap's read-only file system, and Landlock where the kernel has it).
+What crosses back is described in `autograder.remote`.
 """
 
 from __future__ import annotations
@@ -19,33 +21,46 @@ import json
 import os
 import secrets
 import select
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autograder import codec
+from autograder import codec, isolation, proctree
+from autograder.cleanup import remove_tree
 from autograder.remote import Remote, RemoteError, SandboxFailure
 
-DEFAULT_MEMORY_MB = 2048
+# Address space a notebook's code may map on top of the interpreter and its preloaded modules, unless
+# its lab asks for more (`LabSpec.memory_mb`) or the instructor sets ``--memory-mb``. The labs' graded
+# code works on small inputs and needs far less; a runaway allocation meets MemoryError quickly.
+DEFAULT_MEMORY_MB = 1024
 
 
 @dataclass(frozen=True)
 class Limits:
     """Resource limits for one sandboxed process."""
 
-    call_timeout_s: float = 30.0  # wall clock for one proxied call
+    call_timeout_s: float = 30.0  # wall clock for one proxied call (a test may set another for a block)
     load_timeout_s: float = 60.0  # wall clock to start and run the notebook's cells
     cpu_s: int = 600  # CPU seconds over the process's life (background threads included)
     memory_mb: int | None = None  # address space on top of the interpreter and preloads (None: the lab's)
     file_mb: int = 64  # largest file the process may write
-    notebook_s: float = 900.0  # wall clock for all of one notebook's tests; later tests fail at once
+    notebook_s: float = 900.0  # wall clock for all calls into one notebook; later calls fail at once
     confine_writes: bool = True  # Landlock: no writes outside the working directory
+    isolate: bool | None = None  # bubblewrap: None where it can run (`isolation.status`); False: never
+    disk_mb: int = 128  # the size of the sandbox's tmpfs (under bubblewrap, all it may write)
+    grader_memory_mb: int = 3072  # address space a grading worker may map on top of its start
+    watchdog: float | None = None  # wall clock for a notebook's grading worker (None: `watchdog_s`)
+
+    @property
+    def watchdog_s(self) -> float:
+        """Wall clock after which a notebook's grading worker is stopped, whatever it is doing: by
+        default the notebook's budget and loading time, and two minutes for the grader's own work."""
+        return self.watchdog if self.watchdog is not None else self.notebook_s + self.load_timeout_s + 120.0
 
 
 @dataclass
@@ -57,8 +72,13 @@ class Sandbox:
     limits: Limits = field(default_factory=Limits)
     blocked: dict[str, str] = field(default_factory=dict)  # module -> why it is blocked
     preload: tuple[str, ...] = ()
+    packages: tuple[str, ...] = ()  # besides the preloads: what the sandbox's site-packages holds
+    # The time limit of the next call, asked before each call. The grader's session owns it (it
+    # changes inside a test's `time_limit` block and outlives restarts); None: limits.call_timeout_s.
+    current_call_timeout: Callable[[], float] | None = None
     generation: int = 0
-    confined: bool = False  # writes outside the working directory are refused (Landlock)
+    isolated: bool = False  # it runs under bubblewrap (`autograder.isolation`)
+    confined: bool = False  # writes outside the working directory are refused (bubblewrap or Landlock)
     signals_confined: bool = False  # signals to processes outside the sandbox are refused (Landlock ABI 6)
     load_report: dict | None = None
     _proc: subprocess.Popen | None = None
@@ -67,7 +87,6 @@ class Sandbox:
     _wfd: int | None = None
 
     def __post_init__(self) -> None:
-        self.call_timeout = self.limits.call_timeout_s  # may be changed between calls
         self._next_id = secrets.randbits(48)  # request ids: a reply must name the request it answers
 
     # -- life cycle
@@ -76,9 +95,9 @@ class Sandbox:
         """Start the process and run the cells; returns the load report (per-cell errors, origins)."""
         self.close()
         self.generation += 1
-        self._dir = Path(tempfile.mkdtemp(prefix="nanolab-sandbox-"))
-        work = self._dir / "work"
-        work.mkdir()
+        isolate = self.limits.isolate
+        self.isolated = isolation.status().available if isolate is None else isolate
+        self._dir = Path(isolation.make_host_dir())
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         config = {
@@ -88,32 +107,24 @@ class Sandbox:
             "confine": self.limits.confine_writes,
             "blocked": self.blocked,
             "preload": list(self.preload),
+            "parent": None if self.isolated else os.getpid(),  # die with the grader
         }
-        env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "HOME": str(work),
-            "TMPDIR": str(work),
-            "LANG": "C.UTF-8",
-            "MPLBACKEND": "Agg",
-            "MPLCONFIGDIR": str(work),
-            "OMP_NUM_THREADS": "1",
-            "OPENBLAS_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
-            "MALLOC_ARENA_MAX": "2",
-        }
+        fds = [str(to_child_r), str(from_child_w), json.dumps(config)]
+        if self.isolated:
+            home = isolation.WORK_DIR
+            inner = [isolation.interpreter(), "-I", "-S", "-B", "-c", isolation.BOOT, *fds]
+            modules = (*self.preload, *self.packages)
+            argv = isolation.command(inner, _env(home), modules, self.limits.disk_mb, self._dir)
+            cwd, env = "/", {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+        else:
+            cwd = self._dir / "work"
+            cwd.mkdir()
+            argv, env = [sys.executable, "-I", "-m", "autograder._worker", *fds], _env(str(cwd))
         log = open(self._dir / "output.log", "wb")  # noqa: SIM115 - the child writes to it
         try:
             self._proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-I",
-                    "-m",
-                    "autograder._worker",
-                    str(to_child_r),
-                    str(from_child_w),
-                    json.dumps(config),
-                ],
-                cwd=work,
+                argv,
+                cwd=cwd,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -128,7 +139,7 @@ class Sandbox:
         self._rfd, self._wfd = from_child_r, to_child_w
         hello = self._receive(self.limits.load_timeout_s, "starting the sandbox")
         confined = hello.get("confined") if isinstance(hello, dict) else None
-        self.confined = isinstance(confined, dict) and confined.get("writes") is True
+        self.confined = self.isolated or (isinstance(confined, dict) and confined.get("writes") is True)
         self.signals_confined = isinstance(confined, dict) and confined.get("signals") is True
         report = self._request(
             {"op": "load", "cells": self.cells, "graded": self.graded}, self.limits.load_timeout_s
@@ -151,8 +162,14 @@ class Sandbox:
             f.seek(max(0, f.tell() - n))
             return f.read().decode("utf-8", "replace")
 
+    def cpu_seconds(self) -> float:
+        """CPU seconds used so far by every process of this sandbox, read by the grader from /proc."""
+        if not self.alive or self._proc is None:
+            raise SandboxFailure("the submission's process is not running")
+        return proctree.cpu_seconds(self._proc.pid)
+
     def close(self) -> None:
-        """Kill the process group and remove the temporary directory."""
+        """Kill every process of the sandbox, then remove its directory."""
         self._kill()
         for fd in (self._rfd, self._wfd):
             if fd is not None:
@@ -162,7 +179,7 @@ class Sandbox:
                     pass
         self._proc, self._rfd, self._wfd = None, None, None
         if self._dir is not None:
-            _force_rmtree(self._dir)
+            remove_tree(self._dir)
             self._dir = None
 
     def __enter__(self) -> Sandbox:
@@ -217,7 +234,9 @@ class Sandbox:
     def _request(self, message: dict, timeout: float | None) -> Any:
         if not self.alive or self._wfd is None:
             raise SandboxFailure("the submission's process is not running")
-        timeout = self.call_timeout if timeout is None else timeout
+        if timeout is None:
+            ask = self.current_call_timeout
+            timeout = ask() if ask is not None else self.limits.call_timeout_s
         self._next_id += 1
         message = {**message, "id": self._next_id}
         try:
@@ -232,13 +251,14 @@ class Sandbox:
         try:
             header = self._read(codec.HEADER_BYTES, deadline)
             size = int.from_bytes(header, "big")
-            if size > codec.MAX_MESSAGE_BYTES:
-                raise codec.CodecError(f"a reply of {size} bytes is too large")
+            if size > codec.MAX_REPLY_BYTES:
+                raise codec.CodecError(f"a reply of {size} bytes is larger than {codec.MAX_REPLY_BYTES}")
             reply = codec.loads(self._read(size, deadline))
             if expect_id is not None and reply.get("id") != expect_id:
                 raise codec.CodecError("a reply to a request that was not made")
             if reply.get("ok") is True:
-                return codec.decode(reply.get("value"), lambda tag: Remote(self, tag))
+                decode_by = time.monotonic() + codec.DECODE_SECONDS
+                return codec.decode(reply.get("value"), lambda tag: Remote(self, tag), decode_by)
             error = reply.get("error")
             if type(error) is not dict:
                 raise codec.CodecError("malformed error reply")
@@ -287,13 +307,10 @@ class Sandbox:
                 pass
 
     def _kill(self) -> None:
-        """SIGKILL the sandbox's process group and reap it (after a failure its exit status stays readable
-        for the message)."""
-        if self._proc is not None:
-            try:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        """SIGKILL every process of the sandbox and reap it (its exit status stays readable for the
+        message). Under bubblewrap, killing the PID namespace's first process kills the namespace."""
+        if self._proc is not None and self._proc.returncode is None:
+            proctree.kill_tree(self._proc.pid)
             try:
                 self._proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -303,6 +320,8 @@ class Sandbox:
         if self._proc is None or self._proc.poll() is None:
             return "still running"
         code = self._proc.returncode
+        if self.isolated and 128 < code < 128 + 65:  # bubblewrap reports a signal as 128 + its number
+            code = 128 - code
         if code < 0:
             name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
             hint = {"SIGXCPU": "CPU time limit", "SIGXFSZ": "file size limit", "SIGKILL": "killed"}.get(name)
@@ -310,18 +329,17 @@ class Sandbox:
         return f"exit code {code}"
 
 
-def _force_rmtree(path: Path) -> None:
-    """Remove a directory even where the submission took away permissions."""
-
-    def fix(func: Any, p: str, exc: Any) -> None:
-        try:
-            os.chmod(os.path.dirname(p), 0o700)
-            os.chmod(p, 0o700)
-            func(p)
-        except OSError:
-            pass
-
-    if sys.version_info >= (3, 12):
-        shutil.rmtree(path, onexc=fix)
-    else:
-        shutil.rmtree(path, onerror=fix)
+def _env(home: str) -> dict[str, str]:
+    """The submission's whole environment (nothing of the grader's)."""
+    return {
+        "PATH": "/usr/bin:/bin",
+        "HOME": home,
+        "TMPDIR": home,
+        "LANG": "C.UTF-8",
+        "MPLBACKEND": "Agg",
+        "MPLCONFIGDIR": home,
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "MALLOC_ARENA_MAX": "2",
+    }

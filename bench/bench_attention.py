@@ -9,7 +9,7 @@ All three run in the same process on the same data; times are the best of severa
 table reports each paged backend's time as a multiple of the baseline (lower is better).
 
 Prefill: one sequence's last q_len tokens over a ctx-token paged context, C++ kernel vs torch; this
-is what sets ``nanolab.paged_attention.AUTO_CPP_MAX_PREFILL``.
+is what sets ``nanolab.memory.attention_backends.AUTO_CPP_MAX_PREFILL``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from nanolab.attention import HAS_CPP_KERNEL, paged_decode_attention, paged_prefill_attention
-from nanolab.paged_attention import AUTO_CPP_MAX_PREFILL
+from nanolab.memory.attention_backends import AUTO_CPP_MAX_PREFILL
+from nanolab.memory.paged_attention import HAS_CPP_KERNEL, paged_decode_attention, paged_prefill_attention
 
 
 class Shape(NamedTuple):

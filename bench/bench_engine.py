@@ -2,7 +2,7 @@
 
 Workload: N requests (default 64) with mixed prompt lengths (prompts cut from held-out-style Python
 source) and mixed output lengths, greedy, ignore_eos (every system generates exactly the same number of
-tokens per request). Baselines, all on the same weights (`nanolab.hf.to_hf`):
+tokens per request). Baselines, all on the same weights (`nanolab.model.hf.to_hf`):
 
 - HF sequential: `model.generate` one request at a time;
 - HF static batching: left-padded batches of `--hf-batch` requests, each batch runs until its longest
@@ -24,7 +24,8 @@ import time
 import torch
 
 from nanolab import LLM, SamplingParams, load_model, load_tokenizer
-from nanolab.hf import to_hf
+from nanolab.engine.stats import StepRecord
+from nanolab.model.hf import to_hf
 
 
 def make_workload(tokenizer, n: int, seed: int, max_len: int) -> tuple[list[list[int]], list[int]]:
@@ -78,15 +79,14 @@ def run_hf_static(hf, prompts, lengths, batch: int, pad_id: int, progress) -> fl
 
 
 def overhead_at_batch(
-    llm: LLM, batch: int, prompt_len: int = 64, out_len: int = 48
+    model, tokenizer, batch: int, prompt_len: int = 64, out_len: int = 48
 ) -> tuple[float, float, int]:
     """Fraction of step time outside the model forward, over steps that decode exactly `batch` requests."""
-    engine = llm.engine
-    engine.step_log = []
+    records: list[StepRecord] = []
+    llm = LLM(model, tokenizer, listeners=[records.append])
     prompts = [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(batch)]
     llm.generate(prompts, SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True), use_tqdm=False)
-    steps = [(f, s) for nseq, ntok, f, s in engine.step_log if nseq == batch and ntok == batch]
-    engine.step_log = None
+    steps = [(r.forward_seconds, r.step_seconds) for r in records if r.num_seqs == batch == r.num_tokens]
     fwd, total = sum(f for f, _ in steps), sum(s for _, s in steps)
     return 1 - fwd / total, total / len(steps), len(steps)
 
@@ -136,7 +136,7 @@ def main() -> None:
     print(f"greedy outputs identical to HF sequential: {same}/{n}")
 
     batch = min(64, n)
-    runs = sorted(overhead_at_batch(LLM(model, tokenizer), batch) for _ in range(3))
+    runs = sorted(overhead_at_batch(model, tokenizer, batch) for _ in range(3))
     frac, step_s, nsteps = runs[1]  # the median run; the range shows how much the machine moved it
     print(
         f"\nstep time split at batch {batch} (decode, {nsteps} steps, {step_s * 1e3:.1f} ms/step, median "
@@ -158,10 +158,10 @@ def main() -> None:
         t, _ = run_engine(llm, shared, outs)
         st = llm.stats()
         results[on] = t
-        saved = st["prefix_cached_tokens"]
+        saved = st.prefix_cached_tokens
         print(
             f"  prefix cache {'on ' if on else 'off'}: {t:6.2f} s, {sum(outs) / t:7.1f} tokens/s, "
-            f"prefill tokens saved: {saved}, hit rate {st['prefix_hit_rate']:.1%}"
+            f"prefill tokens saved: {saved}, hit rate {st.prefix_hit_rate:.1%}"
         )
     print(f"  cache on / off throughput: {results[False] / results[True]:.2f}x")
 

@@ -189,7 +189,7 @@ def main() -> None:
     import torch
 
     from nanolab import LLM, SamplingParams
-    from nanolab.loading import resolve_checkpoint
+    from nanolab.model.loading import resolve_checkpoint
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -197,7 +197,7 @@ def main() -> None:
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs)
     model_name = resolve_checkpoint(args.model).name
     prompts, lengths = make_workload(
-        llm.tokenizer, args.requests, args.seed, llm.engine.max_model_len, args.quick
+        llm.tokenizer, args.requests, args.seed, llm.engine.config.max_model_len, args.quick
     )
     n_out = sum(lengths)
     print(
@@ -236,7 +236,7 @@ def main() -> None:
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     offline_wall = time.perf_counter() - t0
-    offline_batch = llm.stats()["mean_batch_size"]
+    offline_batch = llm.stats().mean_batch_size
     # The server never holds more than `clients` requests at once; offline with that cap separates
     # the cost of the lower concurrency from the cost of HTTP, JSON and streaming.
     capped = LLM(args.model, max_num_seqs=min(args.clients, args.max_num_seqs))
@@ -251,7 +251,7 @@ def main() -> None:
         (
             f"offline, {min(args.clients, args.max_num_seqs)} at a time",
             capped_wall,
-            capped.stats()["mean_batch_size"],
+            capped.stats().mean_batch_size,
         ),
     ]
     print(f"{'':26}{'req/s':>9}{'out tok/s':>11}{'wall s':>9}{'mean batch':>12}")

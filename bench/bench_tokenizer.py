@@ -22,7 +22,7 @@ from pathlib import Path
 
 import regex
 
-from nanolab.tokenizer import Tokenizer
+from nanolab.text.tokenizer import Tokenizer
 
 
 def stdlib_text(skip_bytes: int, num_bytes: int) -> str:

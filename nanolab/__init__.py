@@ -14,51 +14,45 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from nanolab._ext import HAS_C, backend
-from nanolab.block_allocator import BlockAllocatorProtocol, PyBlockAllocator
+from nanolab._version import __version__
 from nanolab.errors import NanolabError, OutOfBlocksError
-
-if HAS_C:
-    from nanolab._ext import _C
-
-    BlockAllocator = _C.BlockAllocator
-else:
-    BlockAllocator = PyBlockAllocator
-
-__version__ = "0.1.0"
+from nanolab.memory.block_allocator import BlockAllocator, BlockAllocatorProtocol, PyBlockAllocator
 
 _LAZY = {
-    "LLM": "nanolab.llm",
-    "SamplingParams": "nanolab.sampling",
-    "RequestOutput": "nanolab.request",
-    "CompletionOutput": "nanolab.request",
-    "Engine": "nanolab.engine",
-    "EngineConfig": "nanolab.engine",
-    "Tokenizer": "nanolab.tokenizer",
-    "Transformer": "nanolab.model",
-    "ModelConfig": "nanolab.model",
-    "load_model": "nanolab.loading",
-    "load_tokenizer": "nanolab.loading",
-    "save_model": "nanolab.loading",
-    "generate": "nanolab.generate",
-    "RadixCache": "nanolab.radix_cache",
-    "PrefixCacheProtocol": "nanolab.prefix_cache",
-    "SchedulerProtocol": "nanolab.scheduler",
-    "KVCacheProtocol": "nanolab.kv_cache",
+    "LLM": "nanolab.engine.llm",
+    "SamplingParams": "nanolab.model.sampling",
+    "RequestOutput": "nanolab.engine.request",
+    "CompletionOutput": "nanolab.engine.request",
+    "Engine": "nanolab.engine.engine",
+    "EngineConfig": "nanolab.engine.config",
+    "Tokenizer": "nanolab.text.tokenizer",
+    "Transformer": "nanolab.model.transformer",
+    "ModelConfig": "nanolab.model.config",
+    "load_model": "nanolab.model.loading",
+    "load_tokenizer": "nanolab.model.loading",
+    "save_model": "nanolab.model.loading",
+    "generate": "nanolab.model.generate",
+    "RadixCache": "nanolab.memory.radix_cache",
+    "PrefixCacheProtocol": "nanolab.memory.prefix_cache",
+    "SchedulerProtocol": "nanolab.engine.scheduler",
+    "KVCacheProtocol": "nanolab.model.kv_cache",
 }
 
 if TYPE_CHECKING:
-    from nanolab.engine import Engine, EngineConfig
-    from nanolab.generate import generate
-    from nanolab.kv_cache import KVCacheProtocol
-    from nanolab.llm import LLM
-    from nanolab.loading import load_model, load_tokenizer, save_model
-    from nanolab.model import ModelConfig, Transformer
-    from nanolab.prefix_cache import PrefixCacheProtocol
-    from nanolab.radix_cache import RadixCache
-    from nanolab.request import CompletionOutput, RequestOutput
-    from nanolab.sampling import SamplingParams
-    from nanolab.scheduler import SchedulerProtocol
-    from nanolab.tokenizer import Tokenizer
+    from nanolab.engine.config import EngineConfig
+    from nanolab.engine.engine import Engine
+    from nanolab.engine.llm import LLM
+    from nanolab.engine.request import CompletionOutput, RequestOutput
+    from nanolab.engine.scheduler import SchedulerProtocol
+    from nanolab.memory.prefix_cache import PrefixCacheProtocol
+    from nanolab.memory.radix_cache import RadixCache
+    from nanolab.model.config import ModelConfig
+    from nanolab.model.generate import generate
+    from nanolab.model.kv_cache import KVCacheProtocol
+    from nanolab.model.loading import load_model, load_tokenizer, save_model
+    from nanolab.model.sampling import SamplingParams
+    from nanolab.model.transformer import Transformer
+    from nanolab.text.tokenizer import Tokenizer
 
 
 def __getattr__(name: str) -> Any:
@@ -71,6 +65,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "HAS_C",
+    "__version__",
     "LLM",
     "BlockAllocator",
     "BlockAllocatorProtocol",

@@ -18,11 +18,11 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def run_benchmark(args: argparse.Namespace) -> int:
-    from nanolab import LLM, SamplingParams
-    from nanolab.cli import engine_kwargs
+    from nanolab.engine.llm import LLM
+    from nanolab.model.sampling import SamplingParams
 
-    llm = LLM(args.model, **engine_kwargs(args))
-    max_len = llm.engine.max_model_len
+    llm = LLM.from_cli_args(args)
+    max_len = llm.engine.config.max_model_len
     vocab = llm.model.config.vocab_size
     rng = random.Random(args.seed)
     prompts, params = [], []
@@ -52,11 +52,11 @@ def run_benchmark(args: argparse.Namespace) -> int:
             f"mean {statistics.mean(tpot) * 1e3:.1f} ms"
         )
     print(
-        f"steps: {st['steps']}, mean batch size: {st['mean_batch_size']:.1f}, "
-        f"model forward share of step time: {st['forward_fraction']:.0%}"
+        f"steps: {st.steps}, mean batch size: {st.mean_batch_size:.1f}, "
+        f"model forward share of step time: {st.forward_fraction:.0%}"
     )
     print(
-        f"peak KV block usage: {st['peak_kv_block_usage']:.0%} of {st['kv_blocks_total']} blocks, "
-        f"preemptions: {st['preemptions']}, prefix hit rate: {st['prefix_hit_rate']:.1%}"
+        f"peak KV block usage: {st.peak_kv_block_usage:.0%} of {st.kv_blocks_total} blocks, "
+        f"preemptions: {st.preemptions}, prefix hit rate: {st.prefix_hit_rate:.1%}"
     )
     return 0

@@ -8,48 +8,34 @@ import sys
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Options shared by every command that builds an engine."""
-    g = p.add_argument_group("engine")
-    g.add_argument(
+    """``--model`` and one flag per `EngineConfig` field, for every command that builds an engine."""
+    from nanolab.engine.config import EngineConfig
+
+    p.add_argument(
         "--model",
         default=None,
         help="checkpoint directory or bundled model name (default: the bundled model)",
     )
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    g.add_argument(
-        "--num-blocks", type=int, default=None, help="KV blocks in the pool (default: sized to max-num-seqs)"
-    )
-    g.add_argument("--max-num-seqs", type=int, default=64, help="running requests at most (default 64)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step at most")
-    g.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens at most")
-    g.add_argument("--no-prefix-caching", action="store_true", help="turn the radix prefix cache off")
-    g.add_argument("--no-chunked-prefill", action="store_true", help="prefill each prompt in one step")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "shortest"])
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
-        enable_chunked_prefill=not args.no_chunked_prefill,
-        scheduling_policy=args.scheduling_policy,
-    )
+    EngineConfig.add_cli_args(p)
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    import nanolab
+    from nanolab import _ext
+    from nanolab._version import __version__
 
-    print(f"nanolab {nanolab.__version__}")
-    print(f"kernels: {nanolab.backend()}" + ("" if nanolab.HAS_C else f" ({nanolab._ext.why_pure})"))
+    print(f"nanolab {__version__}")
+    print(f"kernels: {_ext.backend()}" + ("" if _ext.HAS_C else f" ({_ext.why_pure})"))
+    try:
+        from autograder.isolation import status
+    except ImportError:  # nanolab installed without its grader
+        return 0
+    print(f"grading {status().describe()}")  # whether `nanolab grade` runs submissions in bubblewrap
     return 0
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from nanolab import LLM, SamplingParams
+    from nanolab.engine.llm import LLM
+    from nanolab.model.sampling import SamplingParams
 
     try:
         params = SamplingParams(
@@ -60,7 +46,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             seed=args.seed,
             stop=args.stop or None,
         )
-        llm = LLM(args.model, **engine_kwargs(args))
+        llm = LLM.from_cli_args(args)
         if llm.tokenizer is None:
             print(
                 "error: this checkpoint has no nanolab tokenizer, so text prompts cannot be encoded",
@@ -104,7 +90,7 @@ def _cmd_grade(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from nanolab.server import run_server
+    from nanolab.serving.server import run_server
 
     return run_server(args)
 
@@ -114,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command")
 
-    info = sub.add_parser("info", help="show the version and which kernels (C++ or Python) are in use")
+    info = sub.add_parser(
+        "info", help="show the version, which kernels (C++ or Python) and which grading sandbox are in use"
+    )
     info.set_defaults(func=_cmd_info)
     from autograder.cli import add_arguments as add_grade_arguments
 
@@ -143,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_cmd_bench)
 
     serve = sub.add_parser(
-        "serve", help="serve the model over an OpenAI-compatible HTTP API (see nanolab.server)"
+        "serve", help="serve the model over an OpenAI-compatible HTTP API (see nanolab.serving.server)"
     )
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
@@ -164,9 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:
-        import nanolab
+        from nanolab._version import __version__
 
-        print(nanolab.__version__)
+        print(__version__)
         return 0
     if not getattr(args, "func", None):
         parser.print_help()

@@ -27,7 +27,10 @@ def _rel(path: Path) -> Path:
 
 
 def notebooks_in_git() -> list[Path]:
-    """Tracked notebooks plus new ones git does not ignore (all notebooks when git is unavailable)."""
+    """Tracked notebooks plus new ones git does not ignore.
+
+    Without git: every notebook but those in .venv/, build/ and the learner's working copy work/.
+    """
     try:
         out = subprocess.run(
             ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.ipynb"],
@@ -38,7 +41,8 @@ def notebooks_in_git() -> list[Path]:
         ).stdout
         return sorted({ROOT / line for line in out.splitlines() if line and (ROOT / line).exists()})
     except (OSError, subprocess.CalledProcessError):
-        return sorted(p for p in ROOT.rglob("*.ipynb") if ".venv" not in p.parts and "build" not in p.parts)
+        skip = {".venv", "build", "work", ".ipynb_checkpoints"}
+        return sorted(p for p in ROOT.rglob("*.ipynb") if not skip & set(p.relative_to(ROOT).parts))
 
 
 def output_problems(path: Path) -> list[str]:

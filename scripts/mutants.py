@@ -146,19 +146,19 @@ def run_visible(task: Task) -> dict[str, Any]:
     return {"checks": checks, "failed": failed, "errors": errors, "seconds": time.perf_counter() - start}
 
 
-_TESTS: dict[str, dict[str, bytes]] = {}
+_TESTS: dict[str, tuple] = {}  # the hidden tests, read once per worker process
 
 
 def run_hidden(task: Task) -> dict[str, Any]:
     """Grade the notebook with the hidden tests and ``task.seed``, as ``nanolab grade --seed`` does."""
-    from autograder.grade import DEFAULT_TESTS_DIR, GradeOptions, grade_notebook, load_tests
+    from autograder.grade import DEFAULT_TESTS_DIR, GradeOptions, grade_notebook
     from autograder.sandbox import Limits
 
     tests_dir = Path(task.tests_dir) if task.tests_dir else DEFAULT_TESTS_DIR
-    if str(tests_dir) not in _TESTS:  # read once per worker, like the grader does per batch
-        _TESTS[str(tests_dir)] = load_tests(tests_dir)
     limits = Limits(call_timeout_s=task.call_timeout, load_timeout_s=max(60.0, 2 * task.call_timeout))
-    options = GradeOptions(lab=task.lab, tests_dir=tests_dir, limits=limits, seed=task.seed)
+    options = GradeOptions(lab=task.lab, tests_dir=tests_dir, limits=limits, seed=task.seed).resolved()
+    if str(tests_dir) not in _TESTS:  # read once per worker, like the grader does per batch
+        _TESTS[str(tests_dir)] = options.read_tests()
     with tempfile.TemporaryDirectory(prefix="nanolab-mutant-") as tmp:
         path = Path(tmp) / f"{task.key}.ipynb"
         path.write_text(task.notebook, encoding="utf-8")

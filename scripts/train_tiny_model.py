@@ -12,15 +12,15 @@ What it does, in order:
    machine-generated codec tables) and ``pydoc_data/`` (one 750 kB file of documentation cut into string
    literals, which teaches a tiny model to answer ``class Stack:`` with quoted prose). A file is held out for evaluation when ``crc32(its path) % 20 == 0``:
    about 5% of the files, chosen by name alone, so the split is the same on every machine.
-2. **Tokenizer.** `nanolab.tokenizer.Tokenizer.train` (byte-level BPE, GPT-4 split pattern) on a
+2. **Tokenizer.** `nanolab.text.tokenizer.Tokenizer.train` (byte-level BPE, GPT-4 split pattern) on a
    ~3 MB sample of whole training files drawn in seeded random order; ``<|endoftext|>`` is the one
    special token and separates documents.
-3. **Model.** A Llama-style `nanolab.model.Transformer` (RoPE, RMSNorm, SwiGLU, grouped-query
+3. **Model.** A Llama-style `nanolab.model.transformer.Transformer` (RoPE, RMSNorm, SwiGLU, grouped-query
    attention, tied embeddings) trained with `Transformer.logits` (a plain causal forward) on windows of
    ``seq_len`` tokens cut from the concatenated training files, in seeded random order: AdamW, linear
    warmup then cosine decay, gradient clipping.
 4. **Outputs** (in ``--out``, by default ``nanolab/assets/tinypy/``): ``config.json``,
-   ``model.safetensors`` and ``nanolab_tokenizer.json`` (via `nanolab.loading.save_model`),
+   ``model.safetensors`` and ``nanolab_tokenizer.json`` (via `nanolab.model.loading.save_model`),
    ``training_curve.png``, and ``MODEL_CARD.md`` with every number measured by this run.
 
 Reproducibility. The corpus is whatever the running Python ships, so the card records the Python
@@ -56,11 +56,12 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from nanolab.generate import generate
-from nanolab.loading import load_model, save_model
-from nanolab.model import ModelConfig, Transformer
-from nanolab.sampling import SamplingParams
-from nanolab.tokenizer import ENDOFTEXT, TOKENIZER_FILENAME, Tokenizer
+from nanolab.model.config import ModelConfig
+from nanolab.model.generate import generate
+from nanolab.model.loading import load_model, save_model
+from nanolab.model.sampling import SamplingParams
+from nanolab.model.transformer import Transformer
+from nanolab.text.tokenizer import ENDOFTEXT, TOKENIZER_FILENAME, Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "nanolab" / "assets" / "tinypy"
@@ -413,7 +414,7 @@ def write_card(path: Path, r: dict) -> None:
 
 A {r["params"] / 1e6:.1f}M-parameter Llama-style language model of Python source code, trained on the
 CPU from the standard library of Python {r["python"]} by `scripts/train_tiny_model.py`. It is nanolab's
-bundled model: `nanolab.loading.load_model()` with no argument loads it. It is small enough to serve on a
+bundled model: `nanolab.model.loading.load_model()` with no argument loads it. It is small enough to serve on a
 laptop and to read every tensor of, and it writes Python-looking code; it does not write correct programs.
 
 Everything below was measured by the run that wrote this directory; regenerate it rather than edit it.
@@ -434,7 +435,7 @@ Held-out files: {", ".join(f"`{p}`" for p in r["held_paths"])}.
 
 ## Tokenizer
 
-Byte-level BPE (`nanolab.tokenizer.Tokenizer`, GPT-4 split pattern), trained on {r["tok_sample_bytes"]:,}
+Byte-level BPE (`nanolab.text.tokenizer.Tokenizer`, GPT-4 split pattern), trained on {r["tok_sample_bytes"]:,}
 bytes of whole training files in {r["tok_seconds"]:.1f} s.
 
 | | |

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from nanolab.model import ModelConfig, Transformer
+from nanolab.model.config import ModelConfig
+from nanolab.model.transformer import Transformer
 
 TIE_GAP = 1e-4
 

@@ -20,16 +20,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanolab import _ext
-from nanolab.attention import (
+from nanolab.memory.paged_attention import (
     HAS_CPP_KERNEL,
-    dense_causal_attention,
     gather_kv,
     paged_attention,
     paged_decode_attention,
     paged_prefill_attention,
-    slots_for_positions,
     write_kv,
 )
+from nanolab.memory.paging import slot_mapping, slot_of
+from nanolab.model.attention import dense_causal_attention
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 WHY_NO_CPP = (
@@ -68,7 +68,7 @@ def build(
     for b, (c, n) in enumerate(zip(ctx_lens, per_seq)):
         tables[b, :n] = torch.tensor([free.pop() for _ in range(n)], dtype=torch.int32)
         k, v = torch.randn(2, c, n_kv, head_dim, generator=gen)
-        write_kv(k_cache, v_cache, slots_for_positions(tables[b], torch.arange(c), block_size), k, v)
+        write_kv(k_cache, v_cache, slot_of(tables[b], torch.arange(c), block_size), k, v)
         ks.append(k)
         vs.append(v)
     return Paged(k_cache, v_cache, tables, torch.tensor(ctx_lens, dtype=torch.int32), ks, vs)
@@ -110,8 +110,10 @@ def test_dense_reference_first_token_sees_only_itself():
 
 def test_slots_follow_the_block_table():
     table = torch.tensor([7, 2, 5])
-    got = slots_for_positions(table, torch.arange(10), block_size=4)
+    got = slot_of(table, torch.arange(10), block_size=4)
     assert got.tolist() == [28, 29, 30, 31, 8, 9, 10, 11, 20, 21]
+    # the same formula on plain ints and lists, as the paged cache's batch layout uses it
+    assert slot_mapping([7, 2, 5], 0, 10, block_size=4) == got.tolist()
 
 
 @given(block_size=st.sampled_from([1, 2, 3, 16]), ctx=st.integers(1, 70), seed=st.integers(0, 1000))
@@ -393,7 +395,7 @@ def test_bad_write_kv_input_names_the_problem():
 def test_pure_python_mode_uses_torch_and_refuses_cpp():
     code = (
         "import torch\n"
-        "from nanolab.attention import HAS_CPP_KERNEL, paged_decode_attention as f\n"
+        "from nanolab.memory.paged_attention import HAS_CPP_KERNEL, paged_decode_attention as f\n"
         "c = torch.randn(2, 4, 1, 8); t = torch.tensor([[0, 1]], dtype=torch.int32); n = torch.tensor([6], dtype=torch.int32)\n"
         "out = f(torch.randn(1, 2, 8), c, c.clone(), t, n)\n"
         "print(HAS_CPP_KERNEL, out.isfinite().all().item())\n"

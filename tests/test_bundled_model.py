@@ -21,9 +21,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from nanolab.generate import generate
-from nanolab.loading import ASSETS_DIR, load_model, load_tokenizer
-from nanolab.model import ModelConfig, Transformer
+from nanolab.model.config import ModelConfig
+from nanolab.model.generate import generate
+from nanolab.model.loading import ASSETS_DIR, load_model, load_tokenizer
+from nanolab.model.transformer import Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = ASSETS_DIR / "tinypy"

@@ -10,7 +10,7 @@ from engine_utils import tiny_model
 
 from nanolab import LLM, SamplingParams, Tokenizer
 from nanolab.cli import main
-from nanolab.loading import save_model
+from nanolab.model.loading import save_model
 
 TEXT = "def f(x):\n    return x * 2\n\nprint(f(3))\nimport sys\n" * 30
 
@@ -73,3 +73,43 @@ def test_generate_into_a_closed_pipe_stops_without_a_traceback(checkpoint):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141, err
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_engine_flags_are_generated_from_engine_config():
+    """Every EngineConfig field is a flag with its field comment as help, and the flags build the config."""
+    import dataclasses
+
+    from nanolab.cli import build_parser
+    from nanolab.engine.config import EngineConfig, SchedulingPolicy
+
+    parser = build_parser()
+    sub = parser._subparsers._group_actions[0].choices["generate"]  # the generate subcommand's parser
+    helps = {a.dest: a.help for a in sub._actions}
+    for f in dataclasses.fields(EngineConfig):
+        assert helps.get(f.name), f"--{f.name.replace('_', '-')} has no help text"
+    args = parser.parse_args(
+        [
+            "generate",
+            "x",
+            "--block-size",
+            "4",
+            "--no-enable-prefix-caching",
+            "--scheduling-policy",
+            "priority",
+        ]
+    )
+    config = EngineConfig.from_cli_args(args)
+    assert config.block_size == 4 and not config.enable_prefix_caching
+    assert config.scheduling_policy is SchedulingPolicy.PRIORITY
+    assert EngineConfig.from_cli_args(parser.parse_args(["generate", "x"])) == EngineConfig()
+
+
+def test_engine_settings_are_checked_by_name():
+    from nanolab.engine.config import EngineConfig
+
+    with pytest.raises(TypeError, match="did you mean 'max_num_seqs'"):
+        EngineConfig.from_kwargs(max_num_seq=4)
+    with pytest.raises(ValueError, match="scheduling_policy must be one of"):
+        EngineConfig(scheduling_policy="lifo")
+    with pytest.raises(ValueError, match="block_size must be a positive integer"):
+        EngineConfig(block_size=0)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from engine_utils import compare_greedy, random_prompts, reference_greedy, tiny_model
 
-from nanolab.llm import LLM
-from nanolab.sampling import SamplingParams
+from nanolab.engine.llm import LLM
+from nanolab.model.sampling import SamplingParams
 
 VOCAB = 96
 
@@ -49,7 +49,7 @@ def test_each_request_alone_matches_full_recompute(model, workload, record_prope
 def test_continuous_batch_matches_requests_run_alone(model, workload, record_property):
     llm, got = run(model, *workload[:2])
     check_all(workload, got, record_property)
-    assert llm.stats()["mean_batch_size"] > 2  # it really batched
+    assert llm.stats().mean_batch_size > 2  # it really batched
 
 
 @pytest.mark.parametrize("budget", [7, 16, 33, 200])
@@ -67,19 +67,19 @@ def test_without_chunked_prefill_gives_the_same_output(model, workload, record_p
 def test_prefix_cache_on_or_off_gives_the_same_output(model, workload, prefix, record_property):
     llm, got = run(model, *workload[:2], enable_prefix_caching=prefix, max_num_seqs=4, block_size=4)
     check_all(workload, got, record_property)
-    assert (llm.stats()["prefix_hit_rate"] > 0) == prefix
+    assert (llm.stats().prefix_hit_rate > 0) == prefix
 
 
 def test_preemption_gives_the_same_output(model, workload, record_property):
     """A pool of 24 blocks of 4 tokens cannot hold the batch: requests get preempted and recomputed."""
     llm, got = run(model, *workload[:2], num_blocks=24, block_size=4, max_num_batched_tokens=64)
-    assert llm.stats()["preemptions"] > 0
+    assert llm.stats().preemptions > 0
     check_all(workload, got, record_property)
 
 
 def test_every_block_is_free_after_the_run(model, workload):
     llm, _ = run(model, *workload[:2], block_size=4, num_blocks=64)
-    kv = llm.engine.kv
+    kv = llm.engine.block_manager
     kv.prefix_cache.reset()
     alloc = kv.allocator
     assert alloc.num_free == alloc.num_total

@@ -7,8 +7,8 @@ import torch
 from engine_utils import random_prompts
 from hf_models import VOCAB, save_tiny_hf_model
 
-from nanolab.llm import LLM
-from nanolab.sampling import SamplingParams
+from nanolab.engine.llm import LLM
+from nanolab.model.sampling import SamplingParams
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
@@ -47,4 +47,4 @@ def test_engine_matches_hf_generate_on_32_mixed_requests(kind, tmp_path, record_
             ties += 1
     record_property("near_ties", ties)
     print(f"{kind}: near-ties accepted: {ties}")
-    assert llm.stats()["prefix_hit_rate"] > 0
+    assert llm.stats().prefix_hit_rate > 0

@@ -7,10 +7,11 @@ import torch
 from engine_utils import spread_out
 from hf_models import KINDS, VOCAB, save_tiny_hf_model
 
-from nanolab.generate import generate
-from nanolab.loading import load_model
-from nanolab.model import ModelConfig, Transformer
-from nanolab.sampling import SamplingParams, make_generator, sample
+from nanolab.model.config import ModelConfig
+from nanolab.model.generate import generate
+from nanolab.model.loading import load_model
+from nanolab.model.sampling import SamplingParams, make_generator, sample
+from nanolab.model.transformer import Transformer
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .:()"
 

@@ -143,8 +143,8 @@ class EqualList(list):
 
 def _tampered(tests_copy: Path) -> dict[str, callable]:
     hidden = tests_copy / "test_lab01.py"
-    bpe_path = ROOT / "nanolab" / "bpe.py"
-    tok_path = ROOT / "nanolab" / "tokenizer.py"
+    bpe_path = ROOT / "nanolab" / "text" / "bpe.py"
+    tok_path = ROOT / "nanolab" / "text" / "tokenizer.py"
 
     def exit_at_import(nb):
         _prepend(nb, "pair-counts", "import sys\nsys.exit(0)")
@@ -216,15 +216,15 @@ for _target in ({str(hidden)!r}, {str(tests_copy / "conftest.py")!r}):
 
     def reexport_reference(nb):
         for grade_id, name in zip(GRADED[:4], ("pair_counts", "merge", "train_merges", "bpe_encode")):
-            _cell(nb, grade_id)["source"] = f"from nanolab.bpe import {name}\n"
-        _cell(nb, "tokenizer")["source"] = "from nanolab.tokenizer import Tokenizer\n"
+            _cell(nb, grade_id)["source"] = f"from nanolab.text.bpe import {name}\n"
+        _cell(nb, "tokenizer")["source"] = "from nanolab.text.tokenizer import Tokenizer\n"
 
     def subclass_reference(nb):
         _cell(nb, "tokenizer")["source"] = (
-            "import nanolab.tokenizer\n\n\nclass Tokenizer(nanolab.tokenizer.Tokenizer):\n    pass\n"
+            "import nanolab.text.tokenizer\n\n\nclass Tokenizer(nanolab.text.tokenizer.Tokenizer):\n    pass\n"
         )
         _cell(nb, "merge")["source"] = (
-            "import nanolab.bpe as _bpe\n\n\ndef merge(ids, pair, new_id):\n    return _bpe.merge(ids, pair, new_id)\n"
+            "import nanolab.text.bpe as _bpe\n\n\ndef merge(ids, pair, new_id):\n    return _bpe.merge(ids, pair, new_id)\n"
         )
 
     def reference_by_path(nb):
@@ -239,7 +239,7 @@ _spec.loader.exec_module(_bpe)
 pair_counts, merge, train_merges, bpe_encode = _bpe.pair_counts, _bpe.merge, _bpe.train_merges, _bpe.bpe_encode
 """
         _cell(nb, "tokenizer")["source"] = f"""
-_source = open({str(tok_path)!r}).read().replace("from nanolab.bpe import", "from my_bpe import")
+_source = open({str(tok_path)!r}).read().replace("from nanolab.text.bpe import", "from my_bpe import")
 _namespace = {{"__name__": "__main__"}}
 exec(compile(_source, "copied.py", "exec"), _namespace)
 Tokenizer = _namespace["Tokenizer"]
@@ -396,8 +396,8 @@ def test_json_and_csv_have_one_entry_per_submission(batch, tmp_path):
 
 
 def test_without_landlock_overwritten_tests_are_restored_and_void_the_grade(tmp_path):
-    """With write confinement off, a submission can overwrite the hidden tests; the grader restores
-    them from its in-memory copy and gives that submission no credit."""
+    """With no bubblewrap and write confinement off, a submission can overwrite the hidden tests; the
+    grader restores them from its in-memory copy and gives that submission no credit."""
     tests_copy = tmp_path / "hidden"
     shutil.copytree(DEFAULT_TESTS_DIR, tests_copy, ignore=shutil.ignore_patterns("__pycache__"))
     original = (tests_copy / "test_lab01.py").read_bytes()
@@ -409,21 +409,21 @@ def test_without_landlock_overwritten_tests_are_restored_and_void_the_grade(tmp_
     )
     path = tmp_path / "overwrite.ipynb"
     path.write_text(json.dumps(nb))
-    limits = Limits(**{**LIMITS.__dict__, "confine_writes": False})
+    limits = Limits(**{**LIMITS.__dict__, "confine_writes": False, "isolate": False})
     [result] = grade([path], GradeOptions(tests_dir=tests_copy, limits=limits), progress=False)
     assert (tests_copy / "test_lab01.py").read_bytes() == original
     assert result.score == 0 and "restored" in " ".join(result.messages)
 
 
 def test_a_notebook_that_kills_its_grading_worker_spoils_only_its_own_result(tmp_path):
-    """Without Landlock nothing stops a submission from killing the worker that grades it; the
-    notebooks that worker's pool held are graded again, each on its own."""
+    """Without bubblewrap and Landlock nothing stops a submission from killing the worker that grades
+    it; that notebook gets an internal error, and its neighbour (in a worker of its own) its full score."""
     killer = json.loads(LAB.read_text())
     _prepend(killer, "pair-counts", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)")
     paths = [tmp_path / "killer.ipynb", tmp_path / "solution.ipynb"]
     paths[0].write_text(json.dumps(killer))
     shutil.copy(SOLUTION, paths[1])
-    limits = Limits(**{**LIMITS.__dict__, "confine_writes": False})
+    limits = Limits(**{**LIMITS.__dict__, "confine_writes": False, "isolate": False})
     killed, solution = grade(paths, GradeOptions(limits=limits), jobs=2, progress=False)
     assert killed.score == 0 and killed.internal_error and "died" in killed.internal_error
     assert solution.score == solution.max_score > 0

@@ -7,7 +7,7 @@ import torch
 from engine_utils import tiny_model
 
 from nanolab import LLM, PyBlockAllocator, RadixCache, SamplingParams, Tokenizer
-from nanolab.loading import save_model
+from nanolab.model.loading import save_model
 
 TEXT = (
     "def add(a, b):\n    return a + b\n\nclass Stack:\n    def push(self, x):\n        self.items.append(x)\n"
@@ -120,22 +120,29 @@ def test_plugged_in_components_serve_the_same_output(checkpoint, llm):
     custom = LLM(checkpoint, block_allocator=PyBlockAllocator, prefix_cache=RadixCache, block_size=4)
     got = [o.outputs[0].token_ids for o in custom.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == expected
-    assert isinstance(custom.engine.kv.allocator, PyBlockAllocator)
+    assert isinstance(custom.engine.block_manager.allocator, PyBlockAllocator)
 
 
 def test_stats_report_the_run(checkpoint):
     llm = LLM(checkpoint)
     llm.generate(["a", "b", "c"], GREEDY, use_tqdm=False)
     st = llm.stats()
-    assert st["generated_tokens"] == 36 and st["finished_requests"] == 3
-    assert st["steps"] >= 12 and st["mean_batch_size"] > 1
-    assert 0 < st["forward_fraction"] <= 1 and st["throughput_tokens_per_s"] > 0
-    assert st["preemptions"] == 0 and 0 <= st["prefix_hit_rate"] <= 1
+    assert st.generated_tokens == 36 and st.finished_requests == 3
+    assert st.steps >= 12 and st.mean_batch_size > 1
+    assert 0 < st.forward_fraction <= 1 and st.throughput > 0
+    assert st.preemptions == 0 and 0 <= st.prefix_hit_rate <= 1
 
 
 def test_a_bad_prompt_in_a_batch_queues_nothing(llm):
-    with pytest.raises(ValueError, match="the prompt is empty"):
+    with pytest.raises(ValueError, match="prompt 1 is an empty list of token ids"):
         llm.generate(["fine", []], GREEDY)
+    assert not llm.engine.has_unfinished()
+    long = "x" * 10_000  # fine on its own type, but more tokens than max_model_len
+    with pytest.raises(ValueError, match="prompt 1: the prompt has .* tokens"):
+        llm.generate(["fine", long], GREEDY)
+    assert not llm.engine.has_unfinished()
+    with pytest.raises(ValueError, match="mix text and token ids"):
+        llm.generate(["fine", [1, 2]], GREEDY)
     assert not llm.engine.has_unfinished()
 
 

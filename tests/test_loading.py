@@ -9,11 +9,12 @@ import torch
 from hf_models import KINDS, VOCAB, save_tiny_hf_model, tiny_hf_model
 from safetensors.torch import load_file, save_file
 
-import nanolab.loading
-from nanolab.generate import generate
-from nanolab.hf import save_hf, to_hf
-from nanolab.loading import load_model, load_tokenizer, resolve_checkpoint, save_model
-from nanolab.model import ModelConfig, Transformer
+import nanolab.model.loading
+from nanolab.model.config import ModelConfig
+from nanolab.model.generate import generate
+from nanolab.model.hf import save_hf, to_hf
+from nanolab.model.loading import load_model, load_tokenizer, resolve_checkpoint, save_model
+from nanolab.model.transformer import Transformer
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -232,7 +233,7 @@ def test_nanolab_checkpoint_errors_name_the_file(tmp_path):
 
 
 def test_bare_names_and_none_resolve_to_bundled_models(tmp_path, monkeypatch):
-    monkeypatch.setattr(nanolab.loading, "ASSETS_DIR", tmp_path / "assets")
+    monkeypatch.setattr(nanolab.model.loading, "ASSETS_DIR", tmp_path / "assets")
     with pytest.raises(FileNotFoundError, match="bundled model .*tinypy is not there"):
         load_model()
     model = Transformer(ModelConfig(vocab_size=40, d_model=32, max_seq_len=16))
@@ -247,7 +248,7 @@ def test_load_tokenizer_returns_none_without_a_tokenizer_file_and_the_tokenizer_
     model = Transformer(ModelConfig(vocab_size=300, d_model=32, max_seq_len=16))
     save_model(model, tmp_path / "bare")
     assert load_tokenizer(tmp_path / "bare") is None
-    tokenizer_module = pytest.importorskip("nanolab.tokenizer")
+    tokenizer_module = pytest.importorskip("nanolab.text.tokenizer")
     tok = tokenizer_module.Tokenizer.train(
         "def f(x):\n    return x\n" * 20, 265, special_tokens=["<|endoftext|>"]
     )

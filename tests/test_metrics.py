@@ -1,4 +1,4 @@
-"""Tests of the hand-written Prometheus exposition (`nanolab.metrics`), against prometheus_client's parser."""
+"""Tests of the hand-written Prometheus exposition (`nanolab.serving.metrics`), against prometheus_client's parser."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nanolab.metrics import Counter, Gauge, Histogram, Registry, ServerMetrics, format_value
+from nanolab.serving.metrics import Counter, Gauge, Histogram, Registry, ServerMetrics, format_value
 
 parser = pytest.importorskip("prometheus_client.parser")
 

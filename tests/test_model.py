@@ -11,9 +11,10 @@ from engine_utils import spread_out
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import nanolab.kv_cache
-from nanolab.kv_cache import ContiguousKVCache, KVCacheProtocol, kv_cache_bytes
-from nanolab.model import ModelConfig, Transformer, apply_rope, rope_tables
+import nanolab.model.kv_cache
+from nanolab.model.config import ModelConfig
+from nanolab.model.kv_cache import ContiguousKVCache, KVCacheProtocol, kv_cache_bytes
+from nanolab.model.transformer import Transformer, apply_rope, rope_tables
 
 CONFIGS = {
     "gpt2": ModelConfig(arch="gpt2", vocab_size=80, n_layers=2, n_heads=4, n_kv_heads=4, d_model=32, d_ff=64,
@@ -206,7 +207,7 @@ def test_contiguous_cache_refuses_a_forward_it_was_not_prepared_for():
 
 
 def test_docstring_examples_run():
-    assert doctest.testmod(nanolab.kv_cache).failed == 0
+    assert doctest.testmod(nanolab.model.kv_cache).failed == 0
 
 
 @settings(max_examples=30, deadline=None)

@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-import nanolab.radix_cache
+import nanolab.memory.radix_cache
 from nanolab import BlockAllocator, PyBlockAllocator
-from nanolab.radix_cache import PrefixCacheProtocol, PrefixCacheStats, RadixCache, RadixNode
+from nanolab.memory.radix_cache import PrefixCacheProtocol, PrefixCacheStats, RadixCache, RadixNode
 
 ALLOCATORS = {"python": PyBlockAllocator, "default": BlockAllocator}
 
@@ -98,7 +98,7 @@ def test_radix_cache_satisfies_the_protocol(make_allocator):
 
 
 def test_the_module_docstring_examples_hold():
-    result = doctest.testmod(nanolab.radix_cache)
+    result = doctest.testmod(nanolab.memory.radix_cache)
     assert result.attempted > 0 and result.failed == 0
 
 

@@ -7,8 +7,8 @@ import codecs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanolab.request import Request
-from nanolab.sampling import SamplingParams
+from nanolab.engine.request import Request
+from nanolab.model.sampling import SamplingParams
 
 # Token bytes that cut multi-byte characters apart ("é" is c3 a9, "€" is e2 82 ac, "😀" is f0 9f 98 80),
 # invalid bytes (ff, a lone continuation byte 80), plain ASCII, and a special token with no text (None).

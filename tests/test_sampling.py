@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from nanolab.sampling import SamplingParams, filter_logits, make_generator, sample
+from nanolab.model.sampling import SamplingParams, filter_logits, make_generator, sample
 
 logits_process = pytest.importorskip("transformers.generation.logits_process")
 

@@ -9,9 +9,9 @@ from engine_utils import random_prompts, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanolab.engine import Engine, EngineConfig
-from nanolab.request import RequestStatus
-from nanolab.sampling import SamplingParams
+from nanolab.engine.engine import Engine, EngineConfig
+from nanolab.engine.request import RequestStatus
+from nanolab.model.sampling import SamplingParams
 
 VOCAB = 64
 MODEL = tiny_model("llama", seed=2, vocab_size=VOCAB, max_seq_len=128)
@@ -39,7 +39,7 @@ class Watched:
         decoding_before = [r for r in sched.running if not r.is_prefilling]
         self.outputs += engine.step()
         out = self.last
-        cfg = engine.scheduler_config
+        cfg = engine.config
         # the step's budget and the cap on running requests
         assert out.num_tokens <= cfg.max_num_batched_tokens
         assert len(sched.running) <= cfg.max_num_seqs
@@ -54,7 +54,7 @@ class Watched:
 
     def check_ref_counts(self) -> None:
         """A block's ref count equals its number of holders: running requests and the prefix cache."""
-        kv = self.engine.kv
+        kv = self.engine.block_manager
         holders = Counter(b for r in self.engine.scheduler.running for b in r.block_table)
         if kv.prefix_cache is not None:
             holders.update(b for node in kv.prefix_cache._nodes() for b in node.blocks)
@@ -115,9 +115,9 @@ def test_invariants_hold_at_every_step_of_random_workloads(w):
         len(o.outputs[0].token_ids) == n
         for o, n in zip(sorted(finished, key=lambda o: int(o.request_id)), lengths)
     )
-    if engine.kv.prefix_cache is not None:
-        engine.kv.prefix_cache.reset()
-    alloc = engine.kv.allocator
+    if engine.block_manager.prefix_cache is not None:
+        engine.block_manager.prefix_cache.reset()
+    alloc = engine.block_manager.allocator
     assert alloc.num_free == alloc.num_total
 
 
@@ -181,7 +181,7 @@ def test_preemption_picks_the_lowest_priority_then_latest_admitted():
 @pytest.mark.parametrize(
     ("prompt", "params", "kwargs", "match"),
     [
-        ([], SamplingParams(), {}, "the prompt is empty"),
+        ([], SamplingParams(), {}, "the prompt is an empty list of token ids"),
         ([1] * 120, SamplingParams(max_tokens=16), {}, r"136 > max_model_len 128; shorten the prompt"),
         (
             [1] * 10,
@@ -212,11 +212,11 @@ def test_abort_frees_the_requests_blocks():
     )
     engine.step()
     engine.step()
-    assert req.block_table and engine.kv.allocator.num_free < engine.num_blocks
+    assert req.block_table and engine.block_manager.allocator.num_free < engine.config.num_blocks
     out = engine.abort(req.request_id)
     assert out.finished and out.outputs[0].finish_reason == "abort"
     assert req.status is RequestStatus.FINISHED
-    assert engine.kv.allocator.num_free == engine.num_blocks
+    assert engine.block_manager.allocator.num_free == engine.config.num_blocks
     assert not engine.has_unfinished()
 
 

@@ -34,11 +34,12 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 from nanolab import LLM, SamplingParams  # noqa: E402
-from nanolab.async_engine import AsyncEngine, EngineNotRunning  # noqa: E402
-from nanolab.loading import save_model  # noqa: E402
-from nanolab.model import ModelConfig, Transformer  # noqa: E402
-from nanolab.server import build_app  # noqa: E402
-from nanolab.tokenizer import Tokenizer  # noqa: E402
+from nanolab.model.config import ModelConfig  # noqa: E402
+from nanolab.model.loading import save_model  # noqa: E402
+from nanolab.model.transformer import Transformer  # noqa: E402
+from nanolab.serving.async_engine import AsyncEngine, EngineNotRunning  # noqa: E402
+from nanolab.serving.server import build_app  # noqa: E402
+from nanolab.text.tokenizer import Tokenizer  # noqa: E402
 
 MODEL_NAME = "tiny"
 MAX_LEN = 128
@@ -96,7 +97,7 @@ class Live:
 
     @property
     def engine(self):
-        return self.llm.engine
+        return self.app.state.async_engine.engine
 
     def metrics(self) -> dict[str, float]:
         """/metrics as {sample name with labels: value}."""
@@ -118,7 +119,8 @@ class Live:
 
 @contextmanager
 def running_server(llm: LLM) -> Iterator[Live]:
-    app = build_app(llm.engine, MODEL_NAME)
+    """A server over ``llm``'s model, tokenizer and engine settings (its own engine, not ``llm``'s)."""
+    app = build_app(AsyncEngine(llm.model, llm.tokenizer, llm.engine.config), MODEL_NAME)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))  # a free loopback port, held from here on: no race with other processes
     port = sock.getsockname()[1]
@@ -567,12 +569,12 @@ def test_stopping_the_server_stops_the_engine_thread(checkpoint: Path) -> None:
 
 def test_shutdown_aborts_running_requests_frees_their_blocks_and_refuses_new_ones(checkpoint: Path) -> None:
     llm = LLM(str(checkpoint))
-    aengine = AsyncEngine(llm.engine)
+    aengine = AsyncEngine(llm.model, llm.tokenizer)
     aengine.start()
     params = SamplingParams(max_tokens=100, ignore_eos=True)
 
     async def main() -> list:
-        with patched_forward(llm.engine.model, slow):
+        with patched_forward(aengine.engine.model, slow):
             group = await aengine.add("g", ["while True:"], [params])
             items = [(await group.queue.get())[1]]  # a first token: the request is running
             await asyncio.to_thread(aengine.shutdown)
@@ -586,9 +588,9 @@ def test_shutdown_aborts_running_requests_frees_their_blocks_and_refuses_new_one
     assert items[-1].outputs[0].finish_reason == "abort"
     assert len(items[-1].outputs[0].token_ids) < 100
     assert not aengine._thread.is_alive()
-    kv = llm.engine.kv
-    assert kv.allocator.num_free + kv.prefix_cache.total_size // kv.block_size == kv.allocator.num_total
-    assert not llm.engine.requests, "the server forgets finished requests"
+    st = aengine.engine.stats()
+    assert st.kv_blocks_free + st.kv_blocks_cached == st.kv_blocks_total
+    assert st.num_running == st.num_waiting == 0, "the server forgets finished requests"
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="sends SIGINT")

@@ -13,10 +13,11 @@ import regex
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import nanolab.bpe
-import nanolab.tokenizer
-from nanolab.bpe import bpe_encode, merge, pair_counts, train_merges
-from nanolab.tokenizer import GPT2_PATTERN, GPT4_PATTERN, TOKENIZER_FILENAME, Tokenizer
+import nanolab.text.bpe
+import nanolab.text.tokenizer
+from nanolab.text.bpe import bpe_encode, merge, pair_counts, train_merges
+from nanolab.text.pretokenize import GPT2_PATTERN, GPT4_PATTERN
+from nanolab.text.tokenizer import TOKENIZER_FILENAME, Tokenizer
 
 tiktoken = pytest.importorskip("tiktoken")
 
@@ -337,7 +338,7 @@ def test_encode_cache_overflow_changes_nothing(tok, corpus, monkeypatch):
     text = corpus[:30_000]
     expected = tok.encode(text)
     small = Tokenizer(tok.merges, tok.pattern, list(tok.special_tokens))
-    monkeypatch.setattr(nanolab.tokenizer, "_CACHE_SIZE", 8)
+    monkeypatch.setattr(nanolab.text.tokenizer, "_CACHE_SIZE", 8)
     assert small.encode(text) == expected
     assert len(small._cache) <= 8
 
@@ -353,7 +354,7 @@ def test_pair_counts_and_merge_agree_with_bpe_encode():
     assert bpe_encode(b"", ranks) == [] and bpe_encode(b"z", ranks) == [122]
 
 
-@pytest.mark.parametrize("module", [nanolab.bpe, nanolab.tokenizer])
+@pytest.mark.parametrize("module", [nanolab.text.bpe, nanolab.text.tokenizer])
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

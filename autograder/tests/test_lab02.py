@@ -21,13 +21,13 @@ import pytest
 import torch
 
 import nanolab
-from autograder.plugin import expect
-from autograder.remote import RemoteError
-from nanolab.attention import dense_causal_attention
-from nanolab.kv_cache import ContiguousKVCache as ReferenceCache
-from nanolab.kv_cache import kv_cache_bytes
-from nanolab.model import ModelConfig, Transformer
-from nanolab.sampling import SamplingParams, filter_logits
+from autograder.testing import RemoteError, expect
+from nanolab.model.attention import dense_causal_attention
+from nanolab.model.config import ModelConfig
+from nanolab.model.kv_cache import ContiguousKVCache as ReferenceCache
+from nanolab.model.kv_cache import kv_cache_bytes
+from nanolab.model.sampling import SamplingParams, filter_logits
+from nanolab.model.transformer import Transformer
 
 STDLIB_FILES = ("textwrap.py", "heapq.py", "bisect.py", "shlex.py", "fnmatch.py", "string.py")
 
@@ -851,3 +851,11 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(lab, rng):
         )
     others = {tuple(draw(rows, [s + 1000 + i for s in seeds])) for i in range(3)}
     assert len(others | {tuple(first)}) > 1, "different seeds always gave the same tokens: use the generators"
+    winners = [rng.randrange(V) for _ in rows]
+    peaked = logits.clone()
+    peaked[rows, winners] += 40.0  # every other token has probability below e**-40
+    got = lab.sample(peaked, params, [lab.make_generator(s) for s in seeds])
+    assert as_tensor(got, "sample(...)", (B,), floating=False).tolist() == winners, (
+        "with one token's logit 40 above the rest, seeded sampling should draw that token: each row's "
+        "token must follow that row's logits"
+    )

@@ -1,0 +1,627 @@
+"""Hidden tests for Lab 3 (paged KV memory), part 2: the learner's paged cache against dense attention, the
+learner's allocator and cache inside nanolab's engine, and sharing blocks (fork, copy-on-write).
+
+Models run here, in the grader; `SandboxedPagedCache` is the engine's ``kv_cache`` and sends each
+``prepare`` and each layer's q, k, v to the learner's `PagedKVCache` in the sandbox. The learner's
+allocator is handed to the engine as a handle, so every block the engine takes is taken by it.
+Sequences (the notebook's `PagedSequence`) are remade for each step from plain data: handles are
+read-only here. Feedback says what is wrong and on which input, never the expected output.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sysconfig
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+
+import nanolab
+from autograder.testing import RemoteError, expect
+from nanolab.engine.engine import EngineStepError
+from nanolab.memory.paging import cdiv, slot_mapping
+from nanolab.model.attention import dense_causal_attention
+from nanolab.model.config import ModelConfig
+from nanolab.model.transformer import Transformer
+
+STDLIB_FILES = ("textwrap.py", "heapq.py", "bisect.py", "shlex.py", "fnmatch.py", "string.py")
+TIE_GAP = 1e-4  # a greedy choice closer than this may go either way with a different summation order
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def tensors(rng) -> torch.Generator:
+    return torch.Generator().manual_seed(rng.randrange(2**31))
+
+
+def as_tensor(value, what: str, shape: tuple[int, ...], floating: bool = True) -> torch.Tensor:
+    expect(value, torch.Tensor, what)
+    if tuple(value.shape) != tuple(shape):
+        raise AssertionError(
+            f"{what} should have shape {tuple(shape)}, but it has shape {tuple(value.shape)}"
+        )
+    if floating and not value.is_floating_point():
+        raise AssertionError(f"{what} should be a floating-point tensor, not {value.dtype}")
+    if not floating and value.dtype != torch.int64:
+        raise AssertionError(f"{what} should be an int64 tensor, not {value.dtype}")
+    return value
+
+
+def close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-4) -> bool:
+    return bool(torch.allclose(got.double(), want.double(), atol=tol, rtol=tol))
+
+
+def learner_shape(lab, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int):
+    return lab.ModelShape(
+        n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, d_model=n_heads * head_dim
+    )
+
+
+def sequence(lab, table: list[int], computed: int):
+    """A new `PagedSequence` in the sandbox with this table and token count."""
+    return lab.PagedSequence(list(table), computed)
+
+
+def table_of(seq) -> list[int]:
+    table = expect(seq.block_table, list, "block_table")
+    assert all(type(b) is int for b in table), "a block table should hold int block ids"
+    return table
+
+
+def refs_of(lab, allocator) -> list[int]:
+    """Every block's reference count, read in one call through the notebook's replay."""
+    (record,) = expect(lab.replay(allocator, [("ref_count", 0)]), list, "replay(...)")
+    return expect(record[-1], list, "the reference counts")
+
+
+def holders_of(tables: list[list[int]], num_blocks: int) -> list[int]:
+    counts = [0] * num_blocks
+    for table in tables:
+        for b in table:
+            counts[b] += 1
+    return counts
+
+
+@functools.cache
+def _stdlib_text() -> str:
+    root = sysconfig.get_paths()["stdlib"]
+    return "".join(open(os.path.join(root, name), encoding="utf-8").read() for name in STDLIB_FILES)
+
+
+@functools.cache
+def bundled():
+    return nanolab.load_model(), nanolab.load_tokenizer()
+
+
+def spread_out(model: Transformer, seed: int) -> Transformer:
+    """Redraw a random model's weights larger than the training init, so that logits are spread out."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if "norm" in name and name.endswith("weight") else 0.15 * noise)
+    return model.eval()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """torch on one thread here: the tensors are tiny, and idle worker threads would compete with the
+    learner's process for the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------------------------- paged attention
+
+
+def _schedule(rng, totals: dict[int, int]) -> list[list[tuple[int, int]]]:
+    """Steps of (sequence, new tokens): prompts in one or more chunks, then decodes, mixed in random order."""
+    done = dict.fromkeys(totals, 0)
+    prompt = {s: rng.randint(1, n) for s, n in totals.items()}
+    steps = []
+    while any(done[s] < totals[s] for s in totals):
+        step = []
+        for s in rng.sample(list(totals), len(totals)):
+            left = totals[s] - done[s]
+            if left == 0 or rng.random() < 0.2:
+                continue
+            n = 1 if done[s] >= prompt[s] else min(left, rng.randint(1, prompt[s] - done[s]))
+            step.append((s, n))
+            done[s] += n
+        if step:
+            steps.append(step)
+    return steps
+
+
+def _variant_hint(q, k, v, start: int, n: int, table: list[int], block_size: int, got) -> str:
+    """Plausible mistakes for one sequence's rows, told apart by what they would have returned."""
+    end = start + n
+    new_only = dense_causal_attention(q[start:end].double(), k[start:end].double(), v[start:end].double())
+    if close(got, new_only):
+        return "; it looks like the new tokens attend only to each other: gather the cached ones too"
+    # The blocks gathered in the order of their ids: context slot j then holds logical position pos[j],
+    # or nothing yet (zeros) where that position is past the sequence's end.
+    order = sorted(range(cdiv(end, block_size)), key=lambda i: table[i])
+    pos = torch.tensor([i * block_size + o for i in order for o in range(block_size)])[:end]
+    if not torch.equal(pos, torch.arange(end)):
+        valid = pos < end
+        kk = torch.zeros(end, *k.shape[1:], dtype=torch.float64)
+        vv = torch.zeros(end, *v.shape[1:], dtype=torch.float64)
+        kk[valid], vv[valid] = k[pos[valid]].double(), v[pos[valid]].double()
+        q_full = torch.cat([torch.zeros(end - n, *q.shape[1:], dtype=torch.float64), q[start:end].double()])
+        if close(got, dense_causal_attention(q_full, kk, vv)[-n:]):
+            return "; it looks like the blocks are gathered in the order of their ids, not in table order"
+    return ""
+
+
+@pytest.mark.points(2)
+def test_paged_attention_equals_dense_attention_on_random_tables(lab, rng):
+    """Check attend against dense attention: shuffled tables, any block size, MHA/GQA/MQA, prefills, chunks and decodes mixed."""
+    g = tensors(rng)
+    for n_layers, nh, nkv, hs in [(2, 4, 4, 8), (2, 8, 2, 8), (1, 4, 1, 16), (1, 6, 3, 4)]:
+        block_size = rng.choice([1, 2, 3, 4, 8])
+        totals = {s: rng.randint(1, 24) for s in range(rng.randint(1, 4))}
+        num_blocks = sum(cdiv(n, block_size) for n in totals.values()) + rng.randint(0, 6)
+        free = rng.sample(range(num_blocks), num_blocks)
+        tables = {s: [free.pop() for _ in range(cdiv(n, block_size))] for s, n in totals.items()}
+        q = {s: torch.randn(n_layers, n, nh, hs, generator=g) for s, n in totals.items()}
+        k = {s: torch.randn(n_layers, n, nkv, hs, generator=g) for s, n in totals.items()}
+        v = {s: torch.randn(n_layers, n, nkv, hs, generator=g) for s, n in totals.items()}
+        cache = lab.PagedKVCache(learner_shape(lab, n_layers, nh, nkv, hs), num_blocks, block_size)
+        done = dict.fromkeys(totals, 0)
+        for step in _schedule(rng, totals):
+            slices = [lab.SeqSlice(tables[s], done[s], n) for s, n in step]
+            what = (
+                f"prepare with {len(step)} sequence(s) (new tokens {[n for _, n in step]} after "
+                f"{[done[s] for s, _ in step]} cached, blocks of {block_size})"
+            )
+            positions = as_tensor(cache.prepare(slices), what, (sum(n for _, n in step),), floating=False)
+            want_positions = [p for s, n in step for p in range(done[s], done[s] + n)]
+            assert positions.tolist() == want_positions, f"{what} returned the wrong positions"
+            for layer in range(n_layers):
+                rows = [(s, slice(done[s], done[s] + n)) for s, n in step]
+                q_new, k_new, v_new = (torch.cat([d[s][layer, sl] for s, sl in rows]) for d in (q, k, v))
+                label = f"attend(layer={layer}, ...) after {what} (heads {nh}/{nkv})"
+                out = as_tensor(cache.attend(layer, q_new, k_new, v_new), label, (len(positions), nh, hs))
+                row = 0
+                for s, n in step:
+                    end = done[s] + n
+                    want = dense_causal_attention(q[s][layer, :end].double(), k[s][layer, :end].double(),
+                                                  v[s][layer, :end].double())[-n:]  # fmt: skip
+                    mine = out[row : row + n]
+                    if not close(mine, want):
+                        hint = _variant_hint(q[s][layer], k[s][layer], v[s][layer], done[s], n, tables[s],
+                                             block_size, mine)  # fmt: skip
+                        raise AssertionError(
+                            f"{label}: the rows of sequence {step.index((s, n))} of the batch ({n} new after "
+                            f"{done[s]} cached, table {tables[s]}) are not attention over its own tokens{hint}"
+                        )
+                    row += n
+            for s, n in step:
+                done[s] += n
+
+
+def test_keys_and_values_land_in_their_slots(lab, rng):
+    """Check that attend writes every new token's key and value into the slot its table gives, and nothing else."""
+    g = tensors(rng)
+    block_size = rng.choice([2, 3, 4])
+    totals = {s: rng.randint(2, 12) for s in range(3)}
+    num_blocks = sum(cdiv(n, block_size) for n in totals.values()) + 3
+    free = rng.sample(range(num_blocks), num_blocks)
+    tables = {s: [free.pop() for _ in range(cdiv(n, block_size))] for s, n in totals.items()}
+    k = {s: torch.randn(2, n, 2, 4, generator=g) for s, n in totals.items()}
+    v = {s: torch.randn(2, n, 2, 4, generator=g) for s, n in totals.items()}
+    cache = lab.PagedKVCache(learner_shape(lab, 2, 2, 2, 4), num_blocks, block_size)
+    done = dict.fromkeys(totals, 0)
+    for step in _schedule(rng, totals):
+        cache.prepare([lab.SeqSlice(tables[s], done[s], n) for s, n in step])
+        for layer in range(2):
+            new_k = torch.cat([k[s][layer, done[s] : done[s] + n] for s, n in step])
+            new_v = torch.cat([v[s][layer, done[s] : done[s] + n] for s, n in step])
+            cache.attend(layer, torch.randn(len(new_k), 2, 4, generator=g), new_k, new_v)
+        for s, n in step:
+            done[s] += n
+    for name, data in (("k", k), ("v", v)):
+        pools = expect(getattr(cache, name), list, f"cache.{name}")
+        assert len(pools) == 2, f"cache.{name} should hold one tensor per layer"
+        for layer, pool in enumerate(pools):
+            pool = as_tensor(pool, f"cache.{name}[{layer}]", (num_blocks, block_size, 2, 4))
+            flat = pool.reshape(-1, 2, 4)
+            written = torch.zeros(len(flat), dtype=torch.bool)
+            for s, n in totals.items():
+                slots = torch.tensor(slot_mapping(tables[s], 0, n, block_size))
+                assert torch.equal(flat[slots], data[s][layer].to(flat.dtype)), (
+                    f"cache.{name}[{layer}]: a token of a sequence with table {tables[s]} (blocks of {block_size}) is "
+                    "not in its slot, block_table[pos // block_size] * block_size + pos % block_size"
+                )
+                written[slots] = True
+            assert not flat[~written].any(), f"cache.{name}[{layer}]: a slot no token belongs to was written"
+
+
+# ---------------------------------------------------------------------------------------------- in the engine
+
+
+class SandboxedPagedCache:
+    """The engine's ``kv_cache``: ``prepare`` and every layer's ``attend`` run in the learner's cache."""
+
+    def __init__(self, lab, remote_cache, n_heads: int, head_dim: int) -> None:
+        self.make_slice = lab.SeqSlice
+        self._prepare = remote_cache.prepare
+        self._attend = remote_cache.attend
+        self.n_heads, self.head_dim = n_heads, head_dim
+        self.num_tokens = 0
+
+    def prepare(self, seqs) -> torch.Tensor:
+        slices = [self.make_slice(list(s.block_table), s.start_pos, s.num_new) for s in seqs]
+        self.num_tokens = sum(s.num_new for s in seqs)
+        what = f"prepare(...) with {len(seqs)} sequences in the engine"
+        positions = as_tensor(self._prepare(slices), what, (self.num_tokens,), floating=False)
+        want = [p for s in seqs for p in range(s.start_pos, s.start_pos + s.num_new)]
+        assert positions.tolist() == want, f"{what} returned the wrong positions"
+        return positions
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = self._attend(layer, q, k, v)
+        what = f"attend(layer={layer}, ...) with {self.num_tokens} tokens in the engine"
+        return as_tensor(out, what, (self.num_tokens, self.n_heads, self.head_dim)).to(q.dtype)
+
+
+def _generate(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = nanolab.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    except EngineStepError as e:  # the learner's code raised (or stopped answering) inside a step
+        raise e.__cause__ from None
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@torch.inference_mode()
+def _agree_up_to_ties(model, prompt: list[int], want: list[int], got: list[int]) -> bool:
+    """Equal, or first different where the reference's own top two logits are a near tie."""
+    for i, (a, b) in enumerate(zip(want, got)):
+        if a != b:
+            top = model.logits(torch.tensor([prompt + want[:i]]))[0, -1].topk(2).values
+            return float(top[0] - top[1]) < TIE_GAP
+    return len(want) == len(got)
+
+
+def _serve_with_the_learners_parts(lab, model, tokenizer, prompts, max_tokens, settings, allocator=True):
+    """Greedy outputs of the reference engine, and of the engine with the learner's allocator and cache."""
+    reference = nanolab.LLM(model, tokenizer, **settings)
+    want = _generate(reference, prompts, max_tokens)
+    c = model.config
+    learners = nanolab.LLM(
+        model, tokenizer, block_allocator=lab.BlockAllocator(reference.engine.config.num_blocks) if allocator else None,
+        **settings,
+    )  # fmt: skip
+    cfg = learners.engine.config
+    remote = lab.PagedKVCache(learner_shape(lab, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim), cfg.num_blocks,
+                              cfg.block_size)  # fmt: skip
+    learners.engine.kv_cache = SandboxedPagedCache(lab, remote, c.n_heads, c.head_dim)
+    got = _generate(learners, prompts, max_tokens)
+    return reference, learners, want, got
+
+
+@pytest.mark.points(2)
+def test_your_allocator_and_cache_serve_the_bundled_model_through_preemptions(lab, rng):
+    """Check that the engine with your allocator and cache gives nanolab's greedy outputs, with a pool that forces preemptions."""
+    model, tokenizer = bundled()
+    text = _stdlib_text()
+    prompts = []
+    for _ in range(6):
+        start = rng.randrange(len(text) - 400)
+        prompts.append(tokenizer.encode(text[start : start + 400])[: rng.randint(4, 20)])
+    max_tokens = rng.randint(20, 28)
+    block_size = rng.choice([2, 4])
+    longest = max(len(p) for p in prompts) + max_tokens
+    num_blocks = cdiv(longest, block_size) + rng.randint(2, 6)  # room for one request and a little more
+    settings = dict(block_size=block_size, num_blocks=num_blocks, max_num_seqs=6, max_num_batched_tokens=32)
+    reference, learners, want, got = _serve_with_the_learners_parts(
+        lab, model, tokenizer, prompts, max_tokens, settings
+    )
+    assert reference.stats().preemptions > 0, (
+        "the grader's setup did not preempt (a grader problem, not yours)"
+    )
+    for i, (prompt, w, g) in enumerate(zip(prompts, want, got)):
+        assert _agree_up_to_ties(model, prompt, w, g), (
+            f"with your allocator and cache (blocks of {block_size}, a pool of {num_blocks} blocks, requests preempted "
+            f"and recomputed), the engine continued prompt {i} ({len(prompt)} tokens) differently from nanolab"
+        )
+    learners.engine.block_manager.prefix_cache.reset()
+    allocator = learners.engine.block_manager.allocator
+    assert allocator.num_free == allocator.num_total, (
+        "after every request finished and the prefix cache let go, some blocks are still held by your allocator"
+    )
+
+
+def tiny_hf_model(seed: int) -> Transformer | None:
+    """A random Qwen2-style model built by Hugging Face transformers (one KV head for four query heads,
+    q/k/v biases), converted to nanolab; None where transformers is not installed."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    from nanolab.model.hf import config_from_hf, state_from_hf
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    hf_config = transformers.Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False, initializer_range=0.2,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    hf = transformers.Qwen2ForCausalLM(hf_config).eval()
+    _, config = config_from_hf(hf_config.to_dict())
+    model = Transformer(config)
+    model.load_state_dict(state_from_hf(hf.state_dict(), config, "a tiny Qwen2 model"))
+    return model.eval()
+
+
+def test_your_cache_serves_other_model_families(lab, rng):
+    """Check your cache in the engine with random GPT-2 (MHA) and Llama-style (GQA) models, and a tiny Hugging Face Qwen2 (MQA, biases)."""
+    configs = [
+        ModelConfig(arch="gpt2", vocab_size=64, n_layers=2, n_heads=4, n_kv_heads=4, d_model=32, d_ff=64, max_seq_len=64),
+        ModelConfig(vocab_size=64, n_layers=3, n_heads=6, n_kv_heads=2, d_model=48, d_ff=64, max_seq_len=64),
+    ]  # fmt: skip
+    models = [(spread_out(Transformer(c), rng.randrange(2**31)), f"a random {c.arch} model") for c in configs]
+    if (hf := tiny_hf_model(rng.randrange(2**31))) is not None:
+        models.append((hf, "a tiny Hugging Face Qwen2 model"))
+    for model, label in models:
+        config = model.config
+        prompts = [[rng.randrange(64) for _ in range(rng.randint(1, 12))] for _ in range(3)]
+        settings = dict(block_size=rng.choice([2, 4, 8]), num_blocks=64, max_num_seqs=3)
+        _, _, want, got = _serve_with_the_learners_parts(
+            lab, model, None, prompts, 12, settings, allocator=False
+        )
+        for prompt, w, g in zip(prompts, want, got):
+            assert _agree_up_to_ties(model, prompt, w, g), (
+                f"{label} ({config.n_heads} query heads, {config.n_kv_heads} KV heads) served with your cache "
+                f"continued a {len(prompt)}-token prompt differently from nanolab"
+            )
+
+
+# ---------------------------------------------------------------------------------------------- sharing
+
+
+def test_fork_shares_blocks_and_a_block_outlives_its_first_holder(lab, rng):
+    """Check fork: tables copied, one reference more per block, nothing allocated; a shared block stays until its last holder lets go."""
+    block_size = rng.choice([2, 4, 8])
+    num_blocks = 32
+    allocator = lab.BlockAllocator(num_blocks)
+    manager = lab.BlockManager(allocator, block_size)
+    prompt = rng.randint(1, 5 * block_size)
+    parent = sequence(lab, [], 0)
+    assert manager.grow(parent, prompt) is True, "grow failed on a new pool"
+    table = table_of(parent)
+    children = []
+    for i in range(rng.randint(1, 3)):
+        child = sequence(lab, [], 0)
+        manager.fork(sequence(lab, table, prompt), child)
+        assert table_of(child) == table, "after fork the child's table should list the parent's blocks"
+        assert expect(child.num_computed_tokens, int, "num_computed_tokens") == prompt, (
+            "after fork the child should have the parent's num_computed_tokens"
+        )
+        children.append(child)
+        assert refs_of(lab, allocator) == holders_of([table] * (i + 2), num_blocks), (
+            f"after {i + 1} fork(s), every shared block's count should be the number of tables that list it"
+        )
+        assert allocator.num_free == num_blocks - len(table), "fork should allocate nothing"
+    manager.release(sequence(lab, table, prompt))
+    assert refs_of(lab, allocator) == holders_of([table] * len(children), num_blocks), (
+        "releasing the parent should drop one reference per block, and leave the blocks to the children"
+    )
+    for child in children:
+        manager.release(child)
+    assert allocator.num_free == num_blocks, "after every holder released its blocks, all should be free"
+    tokens = rng.randint(0, 3) * block_size + rng.randint(1, block_size - 1)  # the last block partly filled
+    kept, child = sequence(lab, [], 0), sequence(lab, [], 0)
+    manager.grow(kept, tokens)
+    kept_table = table_of(kept)
+    kept = sequence(lab, kept_table, tokens)
+    manager.fork(kept, child)
+    manager.grow(child, 1)
+    manager.copy_on_write(child)
+    assert table_of(kept) == kept_table, (
+        "a forked child's copy-on-write changed its parent's block table: the child needs a list of its own"
+    )
+    holder = sequence(lab, [], 0)
+    manager.grow(holder, 1)
+    try:
+        manager.fork(sequence(lab, table_of(holder), 1), holder)
+    except RemoteError as e:
+        assert e.type_name == "ValueError", (
+            f"fork into a sequence that already holds blocks should raise ValueError, not {e.type_name}"
+        )
+    else:
+        raise AssertionError("fork into a sequence that already holds blocks should raise ValueError")
+
+
+def _write(lab, manager, cache, table: list[int], computed: int, values: list[float], block_size: int):
+    """One forward that writes ``values`` as the next tokens of a sequence (grow, copy-on-write, copy,
+    prepare, attend); returns (new table, attention output rows, copy pairs)."""
+    n = len(values)
+    seq = sequence(lab, table, computed)
+    assert manager.grow(seq, n) is True, "grow failed with free blocks left"
+    touched = table_of(seq)[computed // block_size : cdiv(computed + n, block_size)]
+    pairs = manager.copy_on_write(seq, n)
+    assert pairs is not None, "copy_on_write returned None with free blocks left"
+    for pair in expect(pairs, list, "copy_on_write(...)"):
+        expect(pair, (tuple, list), "each pair of copy_on_write(...)")
+        assert pair[0] in touched, (
+            f"copy_on_write({n} new tokens after {computed}) copied block {pair[0]}, which those tokens are not "
+            "written into: full blocks stay shared"
+        )
+    cache.copy_blocks(pairs)
+    table = table_of(seq)
+    cache.prepare([lab.SeqSlice(table, computed, n)])
+    kv = torch.tensor(values, dtype=torch.float32)[:, None, None].expand(n, 1, 2).contiguous()
+    out = cache.attend(0, torch.zeros(n, 1, 2), kv, kv)
+    return table, out, pairs
+
+
+def _read(cache, table: list[int], length: int, block_size: int) -> list[float]:
+    pool = expect(cache.k, list, "cache.k")[0]
+    flat = as_tensor(pool, "cache.k[0]", tuple(pool.shape)).reshape(-1, 2)
+    return flat[slot_mapping(table, 0, length, block_size), 0].tolist()
+
+
+@pytest.mark.points(2)
+def test_copy_on_write_leaves_the_other_holders_data_untouched(lab, rng):
+    """Check that samples forked from one prompt each write into a private copy: the parent's and siblings' tokens never change."""
+    for _ in range(2):
+        block_size = rng.choice([2, 3, 4])
+        num_blocks = 48
+        allocator = lab.BlockAllocator(num_blocks)
+        manager = lab.BlockManager(allocator, block_size)
+        cache = lab.PagedKVCache(learner_shape(lab, 1, 1, 1, 2), num_blocks, block_size)
+        prompt = rng.randint(1, 4 * block_size)
+        tokens = [float(i + 1) for i in range(prompt)]
+        parent_table, _, _ = _write(lab, manager, cache, [], 0, tokens, block_size)
+        samples = {}
+        for c in range(rng.randint(2, 3)):
+            child = sequence(lab, [], 0)
+            manager.fork(sequence(lab, parent_table, prompt), child)
+            samples[c] = (table_of(child), list(tokens))
+        for _step in range(2 * block_size):
+            for c, (table, written) in samples.items():
+                n = rng.choice([1, 1, 2])
+                values = [100.0 * (c + 1) + len(written) + i for i in range(n)]
+                shared_before = refs_of(lab, allocator)
+                table, out, pairs = _write(lab, manager, cache, table, len(written), values, block_size)
+                written += values
+                samples[c] = (table, written)
+                what = (
+                    f"blocks of {block_size}, a {prompt}-token prompt forked {len(samples)} ways: sample {c} wrote "
+                    f"{n} token(s) after {len(written) - n}"
+                )
+                for old, _ in pairs:
+                    assert shared_before[old] > 1, (
+                        f"{what}: copy_on_write copied block {old}, which was not shared"
+                    )
+                assert _read(cache, parent_table, prompt, block_size) == tokens, (
+                    f"{what}, and the parent's tokens changed: a shared block was written in place"
+                )
+                for other, (other_table, other_written) in samples.items():
+                    assert _read(cache, other_table, len(other_written), block_size) == other_written, (
+                        f"{what}, and sample {other}'s tokens are no longer what it wrote"
+                    )
+                want = dense_causal_attention(
+                    torch.zeros(len(written), 1, 2, dtype=torch.float64),
+                    torch.tensor(written, dtype=torch.float64)[:, None, None].expand(-1, 1, 2),
+                    torch.tensor(written, dtype=torch.float64)[:, None, None].expand(-1, 1, 2),
+                )[-n:]
+                assert close(as_tensor(out, "attend(...)", (n, 1, 2)), want), (
+                    f"{what}: its attention does not see its own tokens after the copy (copy_blocks, then write)"
+                )
+        tables = [parent_table] + [t for t, _ in samples.values()]
+        assert refs_of(lab, allocator) == holders_of(tables, num_blocks), (
+            "after the samples wrote, a block's count differs from the number of tables that list it"
+        )
+
+
+_steps = st.lists(
+    st.tuples(
+        st.sampled_from(["start", "fork", "write", "write", "release"]),
+        st.integers(min_value=0, max_value=7),  # which sequence (modulo the live ones)
+        st.integers(min_value=1, max_value=4),  # how many tokens
+    ),
+    min_size=1,
+    max_size=14,
+)
+
+
+@pytest.mark.points(2)
+def test_random_fork_grow_write_release_sequences(lab, rng):
+    """Check random sequences of fork, grow + copy-on-write + write, and release: counts equal holders, every sequence reads back its tokens."""
+    block_size = rng.choice([2, 3])
+    num_blocks = 12
+
+    @hypothesis_seed(rng.randrange(2**32))
+    @settings(
+        max_examples=25,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate, Phase.shrink],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(_steps)
+    def check(steps):
+        allocator = lab.BlockAllocator(num_blocks)
+        manager = lab.BlockManager(allocator, block_size)
+        cache = lab.PagedKVCache(learner_shape(lab, 1, 1, 1, 2), num_blocks, block_size)
+        live: list[tuple[list[int], list[float]]] = []  # each sequence's table and the tokens it wrote
+        done: list[str] = []
+        counter = 1.0
+        for op, which, n in steps:
+            if op == "start" or not live:
+                live.append(([], []))
+                which, op = len(live) - 1, "write"
+            which %= len(live)
+            table, written = live[which]
+            if op == "fork":
+                child = sequence(lab, [], 0)
+                manager.fork(sequence(lab, table, len(written)), child)
+                live.append((table_of(child), list(written)))
+                done.append(f"fork(seq {which})")
+            elif op == "release":
+                manager.release(sequence(lab, table, len(written)))
+                del live[which]
+                done.append(f"release(seq {which})")
+            else:
+                seq = sequence(lab, table, len(written))
+                if not manager.grow(seq, n):
+                    assert table_of(seq) == table, "a grow that returned False changed the table"
+                    done.append(f"grow(seq {which}, {n}) -> False")
+                    continue
+                pairs = manager.copy_on_write(seq, n)
+                if pairs is None:
+                    live[which] = (table_of(seq), written)  # grow's blocks stay, unwritten
+                    done.append(f"copy_on_write(seq {which}, {n}) -> None")
+                    continue
+                cache.copy_blocks(expect(pairs, list, "copy_on_write(...)"))
+                table = table_of(seq)
+                values = [counter + i for i in range(n)]
+                counter += n
+                cache.prepare([lab.SeqSlice(table, len(written), n)])
+                kv = torch.tensor(values)[:, None, None].expand(n, 1, 2).contiguous()
+                cache.attend(0, torch.zeros(n, 1, 2), kv, kv)
+                live[which] = (table, written + values)
+                done.append(f"write {n} into seq {which}")
+            where = f"with blocks of {block_size}, after {'; '.join(done)}"
+            assert refs_of(lab, allocator) == holders_of([t for t, _ in live], num_blocks), (
+                f"{where}: a block's reference count differs from the number of tables that list it"
+            )
+            for i, (t, w) in enumerate(live):
+                assert len(t) >= cdiv(len(w), block_size), f"{where}: sequence {i}'s table is too short"
+                assert _read(cache, t, len(w), block_size) == w, (
+                    f"{where}: sequence {i} no longer reads back the tokens it wrote"
+                )
+
+    check()
+
+
+def test_copy_on_write_without_free_blocks_changes_nothing(lab, rng):
+    """Check that copy_on_write returns None and changes nothing when no block is free for the copy."""
+    block_size = rng.choice([2, 4])
+    allocator = lab.BlockAllocator(2)
+    manager = lab.BlockManager(allocator, block_size)
+    tokens = rng.randint(1, block_size - 1)
+    parent = sequence(lab, [], 0)
+    manager.grow(parent, tokens)
+    table = table_of(parent)
+    child = sequence(lab, [], 0)
+    manager.fork(sequence(lab, table, tokens), child)
+    allocator.allocate(1)
+    before = (refs_of(lab, allocator), allocator.free_list())
+    writer = sequence(lab, table, tokens)
+    assert manager.copy_on_write(writer) is None, "copy_on_write with no free block should return None"
+    assert table_of(writer) == table and (refs_of(lab, allocator), allocator.free_list()) == before, (
+        "a copy_on_write that returns None must change nothing"
+    )

@@ -1,0 +1,7 @@
+"""The engine: which requests run, and one step that runs them all (Labs 4, 5 and 7, planned).
+
+`config` (`EngineConfig`, every engine setting in one place), `request` (the request state machine and
+its outputs), `prompt` (a prompt normalised, tokenized and checked, once), `scheduler` (token budget,
+seats, policies, chunked prefill, preemption), `engine` (the continuous-batching step loop and what it
+publishes to observers), `llm` (`LLM`: offline generation in vLLM's shape).
+"""

@@ -1,0 +1,322 @@
+"""The engine: continuous batching, one step at a time.
+
+Each `step` does: schedule (which requests, how many tokens each) -> build the flattened batch and lay
+out the paged KV cache -> one model forward for all of it -> sample one token for every request whose
+prompt is now fully computed -> append, detokenize, check stop conditions, release finished requests ->
+return the incremental outputs. Requests join and leave the batch at every step: that is continuous
+batching.
+
+The engine is assembled from swappable parts, each behind a small protocol: the block allocator
+(`BlockAllocatorProtocol`), the prefix cache (`PrefixCacheProtocol`), the scheduler
+(`SchedulerProtocol`) and the attention backend of the paged cache. Requests enter through
+`add_requests` (see `nanolab.engine.prompt`); observers see the engine through the `StepRecord` each
+step sends to its listeners and the `EngineStats` snapshot of `stats` (see `nanolab.engine.stats`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from nanolab.engine.config import EngineConfig
+from nanolab.engine.prompt import Prompt, PromptProcessor, as_prompt_list
+from nanolab.engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from nanolab.engine.scheduler import Scheduler, SchedulerProtocol
+from nanolab.engine.stats import EngineStats, StepListener, StepRecord
+from nanolab.memory.block_allocator import BlockAllocator, BlockAllocatorProtocol
+from nanolab.memory.block_manager import BlockManager
+from nanolab.memory.paged_kv_cache import PagedKVCache, SeqSlice
+from nanolab.memory.prefix_cache import PrefixCacheProtocol
+from nanolab.memory.radix_cache import RadixCache
+from nanolab.model.sampling import SamplingParams, sample
+from nanolab.model.transformer import Transformer
+
+
+class EngineStepError(RuntimeError):
+    """A step raised; the requests it was running were aborted and their KV blocks freed.
+
+    ``outputs`` holds their final outputs (finish reason "abort"); the cause is chained.
+    """
+
+    def __init__(self, message: str, outputs: list[RequestOutput]) -> None:
+        super().__init__(message)
+        self.outputs = outputs
+
+
+class Engine:
+    """Continuous-batching engine over one model. Use `nanolab.LLM` for the friendly API."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Any = None,
+        config: EngineConfig | None = None,
+        block_allocator: type | BlockAllocatorProtocol | None = None,
+        prefix_cache: type | PrefixCacheProtocol | None = None,
+        scheduler: type | SchedulerProtocol | None = None,
+        listeners: Sequence[StepListener] = (),
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        cfg = (config or EngineConfig()).resolve(model.config)
+        self.config = cfg
+
+        allocator = _build(block_allocator, BlockAllocator, cfg.num_blocks)
+        if allocator.num_total != cfg.num_blocks:
+            raise ValueError(
+                f"the block allocator has {allocator.num_total} blocks, expected {cfg.num_blocks}"
+            )
+        cache = None
+        if cfg.enable_prefix_caching:
+            cache = _build(prefix_cache, RadixCache, allocator, cfg.block_size)
+        self.block_manager = BlockManager(allocator, cfg.block_size, cache)
+        self.kv_cache = PagedKVCache(
+            model.config, cfg.num_blocks, cfg.block_size, attention_backend=cfg.attention_backend.value
+        )
+        self.scheduler = _build(scheduler, Scheduler, cfg, self.block_manager)
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self._ids = itertools.count()
+        self.listeners = tuple(listeners)
+        self.prompts = PromptProcessor(tokenizer, model.config.vocab_size, cfg)
+        # counters behind stats()
+        self._steps = self._scheduled_seqs = self._batched_tokens = 0
+        self._generated_tokens = self._finished_requests = 0
+        self._busy_seconds = self._forward_seconds = self._peak_kv_usage = 0.0
+        # Each token's bytes, looked up once here rather than decoded for every generated token;
+        # special tokens (end-of-text, ...) add no text.
+        self._token_bytes: list[bytes | None] | None = None
+        if tokenizer is not None:
+            special = set(getattr(tokenizer, "special_tokens", {}).values())
+            self._token_bytes = [
+                None if i in special else tokenizer.decode_bytes([i]) for i in range(tokenizer.vocab_size)
+            ]
+        self.eos_token_id = getattr(tokenizer, "eos_token_id", None) if tokenizer else None
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def add_requests(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: int | Sequence[int] = 0,
+        request_ids: Sequence[str] | None = None,
+    ) -> list[Request]:
+        """Queue one request per prompt, all or none.
+
+        ``prompts``: one prompt (text or token ids) or a list of them. ``sampling_params`` and
+        ``priority``: one for all, or one each. Every prompt is tokenized and checked before any is
+        queued: a `nanolab.engine.prompt.PromptError` (a `ValueError`) names the first that could never
+        run, and the engine is left untouched.
+        """
+        items = as_prompt_list(prompts)
+        n = len(items)
+        params = _one_each(sampling_params or SamplingParams(), n, "SamplingParams", SamplingParams)
+        priorities = _one_each(priority, n, "priorities", int)
+        if request_ids is None:
+            request_ids = [str(next(self._ids)) for _ in range(n)]
+        elif len(request_ids) != n:
+            raise ValueError(f"got {n} prompts but {len(request_ids)} request ids")
+        taken = [rid for rid in request_ids if rid in self.requests]
+        if taken or len(set(request_ids)) != n:
+            raise ValueError(f"request id {(taken or request_ids)[0]!r} is already in use")
+        processed = self.prompts.process(items, params)
+        requests = []
+        for (ids, text), sp, prio, rid in zip(processed, params, priorities, request_ids):
+            req = Request(rid, ids, sp, prompt=text, priority=prio, token_bytes=self._token_bytes)
+            self.requests[rid] = req
+            self.scheduler.add(req)
+            requests.append(req)
+        return requests
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> Request:
+        """Queue one request (see `add_requests`)."""
+        ids = None if request_id is None else [request_id]
+        return self.add_requests([prompt], sampling_params, priority, ids)[0]
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its KV blocks are freed. Returns its final output (None if unknown/finished)."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return None
+        self.scheduler.abort(req)
+        self._finish(req, FinishReason.ABORT, release=False)
+        return RequestOutput.of(req, self.tokenizer is not None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step -----------------------------------------------------------------------------------
+
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one engine step; returns an output for every request that produced a token or finished.
+
+        With ``finished_only`` it returns outputs for the requests that finished in this step only
+        (what offline generation needs; it skips building a streaming delta for every running request).
+
+        If anything in the step raises, the requests it was running are aborted (their blocks freed)
+        and `EngineStepError` is raised with their final outputs; the engine can go on stepping. When
+        the failure comes before a batch exists (admitting a request), the waiting requests are the
+        ones aborted, or the next step would fail the same way.
+        """
+        self._in_flight: list[Request] | None = None
+        try:
+            return self._step(finished_only)
+        except Exception as exc:
+            waiting = [r for r in self.requests.values() if r.status is not RequestStatus.RUNNING]
+            victims = self._in_flight if self._in_flight is not None else waiting
+            outputs = [out for r in victims if (out := self.abort(r.request_id)) is not None]
+            raise EngineStepError(
+                f"the engine step failed ({type(exc).__name__}: {exc}); {len(outputs)} request(s) were aborted",
+                outputs,
+            ) from exc
+
+    @torch.inference_mode()
+    def _step(self, finished_only: bool) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        if not out:
+            if any(r.status is RequestStatus.RUNNING for r in self.requests.values()) or not self.requests:
+                return []
+            raise RuntimeError("the scheduler admitted nothing although no request is running")
+        batch = out.scheduled
+        self._in_flight = [r for r, _ in batch]
+        seqs, ids = [], []
+        sample_rows, to_sample, prefilled = [], [], []
+        row = 0
+        for r, n in batch:
+            start = r.num_computed_tokens
+            seqs.append(SeqSlice(r.block_table, start, n))
+            ids += r.token_slice(start, start + n)
+            row += n
+            if start + n == r.num_tokens:  # every token is computed: sample from the last row
+                sample_rows.append(row - 1)
+                to_sample.append(r)
+                prefilled.append(n > 1)  # this step computed (the end of) a prompt, not a decode
+        positions = self.kv_cache.prepare(seqs)
+        t1 = time.perf_counter()
+        hidden = self.model(torch.tensor(ids, dtype=torch.long), positions, self.kv_cache)
+        logits = self.model.compute_logits(hidden[sample_rows]) if to_sample else None
+        t2 = time.perf_counter()  # the model's share of the step ends here
+        next_ids: list[int] = []
+        if to_sample:
+            gens = [r.generator for r in to_sample]
+            next_ids = sample(logits, [r.sampling_params for r in to_sample], gens).tolist()
+
+        for r, n in batch:
+            r.num_computed_tokens += n
+        now = time.monotonic()
+        outputs = []
+        has_text = self.tokenizer is not None
+        for r, tok, was_prefill in zip(to_sample, next_ids, prefilled):
+            if r.first_token_time is None:
+                r.first_token_time = now
+            r.output_token_ids.append(tok)
+            reason = self._stop_reason(r, tok)
+            if reason is not None:
+                self._finish(r, reason)
+            elif was_prefill:
+                self.block_manager.cache_computed(r)  # share the prompt with requests admitted from now on
+            if reason is not None or not finished_only:
+                outputs.append(RequestOutput.of(r, has_text))
+
+        step_seconds = time.perf_counter() - t0
+        record = StepRecord(len(batch), out.num_tokens, len(next_ids), t2 - t1, step_seconds)
+        self._steps += 1
+        self._scheduled_seqs += record.num_seqs
+        self._batched_tokens += record.num_tokens
+        self._generated_tokens += record.num_generated
+        self._forward_seconds += record.forward_seconds
+        self._busy_seconds += record.step_seconds
+        self._peak_kv_usage = max(self._peak_kv_usage, self.block_manager.usage())
+        for listener in self.listeners:
+            listener(record)
+        return outputs
+
+    def _stop_reason(self, r: Request, tok: int) -> FinishReason | None:
+        p = r.sampling_params
+        if tok == self.eos_token_id and not p.ignore_eos:
+            return FinishReason.STOP
+        if p.stop_token_ids and tok in p.stop_token_ids:
+            return FinishReason.STOP
+        if p.stop and self._truncate_at_stop(r):
+            return FinishReason.STOP
+        if len(r.output_token_ids) >= p.max_tokens or r.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    @staticmethod
+    def _truncate_at_stop(r: Request) -> bool:
+        text = r.output_text
+        longest = max(map(len, r.sampling_params.stop))
+        window = max(
+            0, len(text) - longest - 8
+        )  # only the tail can hold a new match (a token adds a few chars)
+        hits = [i for s in r.sampling_params.stop if (i := text.find(s, window)) != -1]
+        if not hits:
+            return False
+        r.output_text = text[: min(hits)]
+        return True
+
+    def _finish(self, r: Request, reason: FinishReason, release: bool = True) -> None:
+        if release:
+            self.scheduler.finish(r)
+        r.status = RequestStatus.FINISHED
+        r.finish_reason = reason
+        r.finish_time = time.monotonic()
+        self._finished_requests += 1
+        del self.requests[r.request_id]  # the engine forgets finished requests (its caller has the output)
+
+    # -- introspection ------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the counters and of the engine's state now (see `EngineStats`)."""
+        allocator, cache = self.block_manager.allocator, self.block_manager.prefix_cache
+        prefix = cache.stats() if cache is not None else None
+        running = sum(r.status is RequestStatus.RUNNING for r in self.requests.values())
+        return EngineStats(
+            steps=self._steps,
+            generated_tokens=self._generated_tokens,
+            batched_tokens=self._batched_tokens,
+            finished_requests=self._finished_requests,
+            busy_seconds=self._busy_seconds,
+            forward_seconds=self._forward_seconds,
+            mean_batch_size=self._scheduled_seqs / self._steps if self._steps else 0.0,
+            peak_kv_block_usage=self._peak_kv_usage,
+            preemptions=getattr(self.scheduler, "num_preemptions", 0),
+            num_running=running,
+            num_waiting=len(self.requests) - running,
+            kv_blocks_total=allocator.num_total,
+            kv_blocks_free=allocator.num_free,
+            kv_blocks_cached=cache.total_size // self.config.block_size if cache is not None else 0,
+            prefix_hit_rate=prefix.hit_rate if prefix is not None else 0.0,
+            prefix_cached_tokens=prefix.cached_tokens if prefix is not None else 0,
+        )
+
+
+def _build(given: Any, default: type, *args: Any) -> Any:
+    """An instance from ``given`` (None: the default class; a class or factory: called with args)."""
+    if given is None:
+        return default(*args)
+    if isinstance(given, type) or (callable(given) and not hasattr(given, "allocate")):
+        return given(*args)
+    return given
+
+
+def _one_each(value: Any, n: int, what: str, kind: type) -> list:
+    """``value`` for each of n prompts: one for all (an instance of ``kind``), or a sequence of n."""
+    if isinstance(value, kind) and not isinstance(value, bool):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"got {n} prompts but {len(values)} {what}; give one for all or one each")
+    return values

@@ -1,0 +1,119 @@
+"""`LLM`: offline generation with the reference engine, in vLLM's shape.
+
+from nanolab import LLM, SamplingParams
+llm = LLM()                                   # the bundled model
+outs = llm.generate(["def fibonacci(n):", "import os"], SamplingParams(max_tokens=32, temperature=0))
+print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from nanolab.engine.config import EngineConfig
+from nanolab.engine.engine import Engine
+from nanolab.engine.prompt import Prompt
+from nanolab.engine.request import RequestOutput
+from nanolab.engine.stats import EngineStats, StepListener
+from nanolab.model.sampling import SamplingParams
+
+
+class LLM:
+    """A model, its tokenizer and a continuous-batching engine.
+
+    ``model`` is None (the bundled model), a bundled model's name, a checkpoint directory that
+    `nanolab.load_model` reads (nanolab or Hugging Face), or a `Transformer` already in memory.
+    ``block_allocator``, ``prefix_cache`` and ``scheduler`` take a class (or instance) following
+    `BlockAllocatorProtocol`, `PrefixCacheProtocol` or `SchedulerProtocol`: a learner's own component
+    plugs in here. ``listeners`` are called with each step's `StepRecord`. Engine settings are given as keywords (``max_num_seqs=8``, ``block_size=4``: the
+    fields of `EngineConfig`, checked by name) or as one ``config=EngineConfig(...)``.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | Any = None,
+        tokenizer: Any = None,
+        *,
+        block_allocator: Any = None,
+        prefix_cache: Any = None,
+        scheduler: Any = None,
+        config: EngineConfig | None = None,
+        listeners: Sequence[StepListener] = (),
+        **settings: Any,
+    ) -> None:
+        from nanolab.model.loading import load_model, load_tokenizer
+        from nanolab.model.transformer import Transformer
+
+        if config is not None and settings:
+            raise TypeError("give either config=EngineConfig(...) or engine settings as keywords, not both")
+        config = config or EngineConfig.from_kwargs(**settings)  # checks the names before loading anything
+        if isinstance(model, Transformer):
+            self.model = model
+        else:
+            self.model = load_model(model)
+            if tokenizer is None:
+                tokenizer = load_tokenizer(model)
+        self.tokenizer = tokenizer
+        self.engine = Engine(
+            self.model, tokenizer, config, block_allocator, prefix_cache, scheduler, listeners=listeners
+        )
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> LLM:
+        """The `LLM` that a command's ``--model`` and engine flags describe (see `nanolab.cli`)."""
+        return cls(args.model, config=EngineConfig.from_cli_args(args))
+
+    def _add_all(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        priority: Sequence[int] | None,
+    ) -> list[str]:
+        requests = self.engine.add_requests(prompts, sampling_params, 0 if priority is None else priority)
+        return [r.request_id for r in requests]
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one finished `RequestOutput` per prompt, in input order."""
+        from tqdm.auto import tqdm
+
+        ids = self._add_all(prompts, sampling_params, priority)
+        done: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
+            while len(done) < len(ids):
+                for out in self.engine.step(finished_only=True):
+                    if out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[i] for i in ids]
+
+    def stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yield incremental outputs as the engine produces them (``delta_text`` / ``delta_token_ids``)."""
+        ids = set(self._add_all(prompts, sampling_params, priority))
+        remaining = set(ids)
+        while remaining:
+            for out in self.engine.step():
+                if out.request_id in ids:
+                    if out.finished:
+                        remaining.discard(out.request_id)
+                    yield out
+
+    def stats(self) -> EngineStats:
+        """Engine counters and state: steps, generated tokens, throughput, mean batch size, KV usage, ..."""
+        return self.engine.stats()

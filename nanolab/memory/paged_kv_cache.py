@@ -1,0 +1,149 @@
+"""The paged KV cache: every running request's keys and values in fixed-size blocks of one shared pool.
+
+Storage per layer is ``k[layer]``, ``v[layer]`` of shape (num_blocks, block_size, n_kv_heads, head_dim).
+A request's block table lists its blocks in token order, so the token at position ``pos`` lives in
+slot ``block_table[pos // block_size] * block_size + pos % block_size`` of the flattened pool.
+
+Before each forward, `prepare` is told which requests run and how many new tokens each brings (the
+engine puts the one-token decodes first). It lays out the batch once — slot of every new token, block
+tables and context lengths — so that `attend`, called by every layer, only writes the new keys/values
+into their slots and runs attention: one batched paged-decode call for all decodes, and one paged
+prefill call per prefill chunk (which attends over the request's cached prefix too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from nanolab.memory.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
+from nanolab.memory.paging import slot_mapping, slot_of
+from nanolab.model.attention import sdpa
+from nanolab.model.config import ModelConfig
+
+
+class SeqSlice(NamedTuple):  # a NamedTuple: the engine builds one per request per step
+    """One request's new tokens in the flattened batch."""
+
+    block_table: list[int]
+    start_pos: int  # position of the first new token (= tokens already cached)
+    num_new: int
+
+
+class PagedKVCache:
+    """Implements `nanolab.model.kv_cache.KVCacheProtocol` over a paged pool of KV blocks."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype = torch.float32,
+        attention_backend: str = "auto",
+    ) -> None:
+        shape = (num_blocks, block_size, config.n_kv_heads, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(config.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(config.n_layers)]
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.backend = attention_backend
+        self.scale = config.head_dim**-0.5
+        self._num_decodes = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.k) + sum(t.nbytes for t in self.v)
+
+    def prepare(self, seqs: list[SeqSlice]) -> torch.Tensor:
+        """Lay out the next forward's batch; returns the positions (T,) of its new tokens.
+
+        One-token sequences must come first: they form the decode group. This runs once per engine
+        step for every running request, so the decode group (most of a busy batch) is laid out with a
+        few list comprehensions and one NumPy conversion per array rather than per-token Python work.
+        """
+        block_size = self.block_size
+        n_dec = 0
+        for s in seqs:
+            if s.num_new != 1:
+                break
+            n_dec += 1
+        decodes, chunks = seqs[:n_dec], seqs[n_dec:]
+        if any(s.num_new == 1 for s in chunks):
+            raise ValueError("prepare() needs the one-token (decode) sequences first")
+        for s in seqs:  # what the comprehensions below would index past, with a message that says why
+            if len(s.block_table) * block_size < s.start_pos + s.num_new:
+                raise ValueError(
+                    f"a sequence needs {s.start_pos + s.num_new} slots but its block table has "
+                    f"{len(s.block_table)} blocks"
+                )
+        positions = [s.start_pos for s in decodes]
+        slots = [slot_of(table, p, block_size) for table, p, _ in decodes]
+        for table, start, n in chunks:
+            slots += slot_mapping(table, start, start + n, block_size)
+            positions += range(start, start + n)
+        self._slots = torch.from_numpy(np.array(slots, dtype=np.int64))
+        self._num_decodes = n_dec
+        if n_dec:
+            width = max(len(s.block_table) for s in decodes)
+            pad = [0] * width
+            flat: list[int] = []
+            for s in decodes:
+                flat += s.block_table
+                flat += pad[len(s.block_table) :]
+            self._dec_tables = torch.from_numpy(np.array(flat, dtype=np.int32).reshape(n_dec, width))
+            self._dec_lens = torch.from_numpy(np.array(positions[:n_dec], dtype=np.int32) + 1)
+        # Prefill chunks: (first row, last row, block table, context length, starts at 0?)
+        self._prefills = []
+        row = n_dec
+        for table, start, n in chunks:
+            t = torch.tensor(table, dtype=torch.int32)
+            self._prefills.append((row, row + n, t, start + n, start == 0))
+            row += n
+        return torch.from_numpy(np.array(positions, dtype=np.int64))
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """For each (src, dst) pair, make block ``dst`` a copy of block ``src`` in every layer (keys and
+        values): what copy-on-write needs before a forward writes into ``dst`` (see
+        `nanolab.memory.block_manager.BlockManager.copy_on_write`). Every source is read before any
+        block is written. Raises ValueError, copying nothing, for an id outside the pool or a ``dst``
+        named twice."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
+        for name, ids in (("src", src), ("dst", dst)):
+            bad = ids[(ids < 0) | (ids >= self.num_blocks)]
+            if bad.numel():
+                raise ValueError(
+                    f"copy_blocks: {name} block {int(bad[0])} is not a block of the pool (num_blocks = "
+                    f"{self.num_blocks})"
+                )
+        if dst.unique().numel() != dst.numel():
+            raise ValueError("copy_blocks: a dst block is named twice; each copy needs its own block")
+        for k, v in zip(self.k, self.v):
+            k[dst] = k[src]  # k[src] is a gathered copy, so an overlap cannot read a block already written
+            v[dst] = v[src]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.k[layer], self.v[layer]
+        write_kv(k_cache, v_cache, self._slots, k, v)
+        out = torch.empty_like(q)  # (T, nh, hs)
+        n = self._num_decodes
+        if n:
+            out[:n] = paged_decode_attention(
+                q[:n], k_cache, v_cache, self._dec_tables, self._dec_lens, self.scale, backend=self.backend
+            )
+        for first, last, table, context_len, fresh in self._prefills:
+            if fresh:
+                # Nothing cached before this chunk: plain causal attention over the chunk itself.
+                out[first:last] = sdpa(
+                    q[first:last], k[first:last], v[first:last], causal=True, scale=self.scale
+                )
+            else:
+                out[first:last] = paged_prefill_attention(
+                    q[first:last], k_cache, v_cache, table, context_len, self.scale
+                )
+        return out

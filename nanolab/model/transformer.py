@@ -1,0 +1,253 @@
+"""A small decoder-only transformer in two families: GPT-2 style and Llama style.
+
+The model serves many requests at once without knowing it. `Transformer.forward` takes the new tokens of
+any number of sequences flattened into one batch of T tokens, with each token's position in its own
+sequence, and every attention layer hands its queries, keys and values to ``cache.attend(layer, q, k, v)``.
+The cache (see `nanolab.model.kv_cache`) knows which token belongs to which sequence and where its keys and
+values live; the model only does the per-token arithmetic (projections, RoPE, MLP, norms), which is the
+same for every token. That split is what lets the engine mix prefills and decodes of different requests
+in one forward.
+
+The two families:
+
+- ``arch="gpt2"``: learned position embeddings, LayerNorm, GELU (tanh approximation) MLP, biases on every
+  linear layer, tied input/output embeddings.
+- ``arch="llama"`` (also Qwen2 and Mistral checkpoints): rotary position embeddings (RoPE), RMSNorm,
+  SwiGLU MLP, grouped-query attention (``n_kv_heads`` <= ``n_heads``), optional q/k/v biases (Qwen2),
+  tied or untied embeddings.
+
+Deliberately left out: dropout and training tricks, RoPE scaling variants, sliding-window attention,
+and any notion of batches or padding (the cache owns the batch layout).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanolab.model.attention import sdpa
+from nanolab.model.config import ModelConfig
+from nanolab.model.kv_cache import KVCacheProtocol
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos and sin for each token, (..., 1, head_dim) each
+
+
+def rope_tables(
+    config: ModelConfig, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every (position, rotary frequency), each (max_seq_len, head_dim).
+
+    The same arithmetic as Hugging Face's Llama: frequency i is ``theta ** (-2i / head_dim)``, and the
+    table repeats the frequencies for the two halves of a head (the "rotate_half" convention), so HF
+    Llama weights load without permuting q/k rows.
+    """
+    hs = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hs, 2, dtype=torch.float, device=device) / hs))
+    t = torch.arange(config.max_seq_len, dtype=torch.float, device=device)
+    freqs = t[:, None] * inv_freq[None, :]  # (max_seq_len, hs/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (max_seq_len, hs)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each head of x by its token's angles: x (..., n_heads, hs), cos/sin (..., 1, hs)."""
+    x1, x2 = x.chunk(2, dim=-1)  # (..., nh, hs/2) each
+    rotated = torch.cat((-x2, x1), dim=-1)  # rotate_half(x)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Self-attention with one fused q/k/v projection; the attention itself is the cache's job."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        gpt2 = config.arch == "gpt2"
+        width = config.q_size + 2 * config.kv_size  # [q heads | k heads | v heads]
+        self.qkv = nn.Linear(config.d_model, width, bias=gpt2 or config.qkv_bias)
+        self.out = nn.Linear(config.q_size, config.d_model, bias=gpt2)
+
+    def forward(self, x: torch.Tensor, rope: Rope | None, cache: KVCacheProtocol) -> torch.Tensor:
+        # x: (T, D) in the serving forward, (B, S, D) in Transformer.logits; "..." below is T or (B, S)
+        lead = x.shape[:-1]
+        heads = self.qkv(x).view(*lead, -1, self.head_dim)  # (..., nh + 2*nkv, hs)
+        qk, v = heads.split((self.n_heads + self.n_kv_heads, self.n_kv_heads), dim=-2)
+        if rope is not None:
+            qk = apply_rope(qk, *rope)  # q and k heads rotate alike: one call for both
+        q, k = qk.split((self.n_heads, self.n_kv_heads), dim=-2)  # (..., nh, hs), (..., nkv, hs)
+        y = cache.attend(self.layer_idx, q, k, v)  # (..., nh, hs)
+        return self.out(y.reshape(*lead, self.n_heads * self.head_dim))
+
+
+class GeluMLP(nn.Module):
+    """GPT-2's MLP: up-projection, GELU (tanh approximation), down-projection."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.d_model, config.d_ff)
+        self.proj = nn.Linear(config.d_ff, config.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class SwiGLU(nn.Module):
+    """Llama's MLP: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(config.d_model, 2 * config.d_ff, bias=False)
+        self.down = nn.Linear(config.d_ff, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # (..., d_ff) each
+        return self.down(F.silu(gate) * up)
+
+
+def make_norm(config: ModelConfig) -> nn.Module:
+    if config.arch == "gpt2":
+        return nn.LayerNorm(config.d_model, eps=config.norm_eps)
+    return nn.RMSNorm(config.d_model, eps=config.norm_eps)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.attn_norm = make_norm(config)
+        self.attn = Attention(config, layer_idx)
+        self.mlp_norm = make_norm(config)
+        self.mlp = GeluMLP(config) if config.arch == "gpt2" else SwiGLU(config)
+
+    def forward(self, x: torch.Tensor, rope: Rope | None, cache: KVCacheProtocol) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class _CausalNoCache:
+    """The "cache" behind `Transformer.logits`: plain causal attention over (B, S) batches with no padding."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return sdpa(q, k, v, causal=True)  # q: (B, S, nh, hs), k and v: (B, S, nkv, hs)
+
+
+class Transformer(nn.Module):
+    """Decoder-only transformer. See the module docstring for the serving contract."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model) if config.arch == "gpt2" else None
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = make_norm(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        if config.arch == "llama":  # derived from the config, so not saved with the weights
+            cos, sin = rope_tables(config)
+            self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, hs)
+            self.register_buffer("rope_sin", sin, persistent=False)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # GPT-2's initialisation (as in nanoGPT): N(0, 0.02) weights, zero biases, and the projections
+        # that write into the residual stream scaled down by sqrt(2 * n_layers) so it does not grow
+        # with depth. Norms keep PyTorch's ones/zeros.
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        residual_out = {Attention: "out", GeluMLP: "proj", SwiGLU: "down"}.get(type(module))
+        if residual_out is not None:  # runs after the module's own Linear children (apply is bottom-up)
+            weight = getattr(module, residual_out).weight
+            nn.init.normal_(weight, mean=0.0, std=0.02 / (2 * self.config.n_layers) ** 0.5)
+
+    def _embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Rope | None]:
+        """Token embeddings (..., D), plus learned positions (gpt2) or the tokens' RoPE angles (llama)."""
+        x = self.tok_emb(input_ids)  # (..., D)
+        if self.pos_emb is not None:
+            return x + self.pos_emb(positions), None
+        # Tables stay float32 (as HF computes them); cast to the weights' dtype (a no-op in float32).
+        cos = self.rope_cos[positions].unsqueeze(-2).to(x.dtype)  # (..., 1, hs): broadcasts over heads
+        sin = self.rope_sin[positions].unsqueeze(-2).to(x.dtype)
+        return x, (cos, sin)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCacheProtocol
+    ) -> torch.Tensor:
+        """Hidden states (T, d_model) of T new tokens, final norm applied.
+
+        input_ids and positions are (T,) int64: the new tokens of one or many sequences, flattened, and
+        each token's position in its own sequence (< max_seq_len). The cache must be set up by its owner
+        for exactly these T tokens; each layer stores their keys/values there and reads the context back.
+        Use `compute_logits` on the rows you want to sample from.
+        """
+        x, rope = self._embed(input_ids, positions)  # (T, D)
+        for layer in self.layers:
+            x = layer(x, rope, cache)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, d_model) hidden states from `forward` -> (N, vocab_size) logits."""
+        return self.lm_head(hidden)
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Plain forward with no KV cache: (B, S) token ids -> (B, S, vocab_size) logits.
+
+        Every row starts at position 0 and is attended causally; no padding. For labs, tests and training.
+        """
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be (B, S), got shape {tuple(input_ids.shape)}")
+        B, S = input_ids.shape
+        if S > self.config.max_seq_len:
+            raise ValueError(f"sequence length {S} exceeds max_seq_len {self.config.max_seq_len}")
+        positions = torch.arange(S, device=input_ids.device).expand(B, S)
+        x, rope = self._embed(input_ids, positions)  # (B, S, D)
+        for layer in self.layers:
+            x = layer(x, rope, _CausalNoCache())
+        return self.lm_head(self.norm(x))  # (B, S, V)
+
+    def num_parameters(self) -> int:
+        """Number of distinct parameters (a tied embedding counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    @classmethod
+    def from_state_dict(
+        cls, config: ModelConfig, state_dict: dict[str, torch.Tensor], source: str = "the state dict"
+    ) -> Transformer:
+        """A model holding exactly these tensors (they are used as they are, not copied).
+
+        ``lm_head.weight`` may be left out when the embeddings are tied. Missing, unexpected or
+        mis-shaped tensors raise `ValueError` naming the key and ``source``.
+        """
+        # Random init first, then replaced: cheap at nanolab's sizes. (Building on the "meta" device
+        # would skip it, but its first use imports torch's compiler stack, which takes seconds.)
+        model = cls(config)
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        state_dict = dict(state_dict)
+        if config.tie_embeddings:
+            state_dict.pop("lm_head.weight", None)
+            expected.pop("lm_head.weight")
+        missing = sorted(set(expected) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(expected))
+        if missing or unexpected:
+            raise ValueError(
+                f"{source} does not match the config: missing tensors {missing}, unexpected tensors "
+                f"{unexpected}. Is the config.json next to the weights the one they were saved with?"
+            )
+        for key, shape in expected.items():
+            if tuple(state_dict[key].shape) != shape:
+                raise ValueError(
+                    f"tensor {key!r} in {source} has shape {tuple(state_dict[key].shape)} but the config "
+                    f"implies {shape}"
+                )
+        if config.tie_embeddings:
+            state_dict["lm_head.weight"] = state_dict["tok_emb.weight"]
+        model.load_state_dict(state_dict, strict=True, assign=True)
+        if config.tie_embeddings:
+            model.lm_head.weight = model.tok_emb.weight
+        return model.eval()

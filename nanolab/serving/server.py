@@ -1,0 +1,234 @@
+"""`nanolab serve`: the engine behind an OpenAI-compatible HTTP API.
+
+    nanolab serve --port 8000                      # the bundled model on http://127.0.0.1:8000
+    curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
+
+Endpoints: ``POST /v1/completions`` (see `nanolab.serving.openai_protocol`), ``GET /v1/models``,
+``GET /health`` and ``GET /metrics`` (Prometheus text, see `nanolab.serving.metrics`).
+
+Every connection's requests go to one engine run by one background thread (`nanolab.serving.async_engine`),
+so concurrent clients share continuous batches. A client that disconnects has its requests aborted and
+their KV blocks freed: a stream notices when its generator is cancelled, a plain request by polling
+``request.is_disconnected()`` while it waits.
+
+Deliberately left out: chat completions (the bundled model is a plain language model), authentication,
+TLS, request timeouts, rate limits. Listen on 127.0.0.1 (the default) unless a proxy guards the port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nanolab.engine.request import RequestOutput
+from nanolab.serving import openai_protocol as oa
+from nanolab.serving.async_engine import AsyncEngine, EngineNotRunning, EngineStepError, RequestGroup
+
+log = logging.getLogger("nanolab.server")
+
+DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its completion was ready."""
+
+
+def error_response(status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
+    return JSONResponse(oa.error_body(message, type, param, code), status_code=status)
+
+
+def build_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
+    """The FastAPI app serving ``aengine``'s model under the name ``model_name``.
+
+    The engine thread starts and stops with the app (its lifespan). ``app.state.async_engine`` and
+    ``app.state.metrics`` give tests and embedders access to both.
+    """
+    engine, metrics = aengine.engine, aengine.metrics
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        aengine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(aengine.shutdown)
+
+    app = FastAPI(title="nanolab", lifespan=lifespan)
+    app.state.async_engine = aengine
+    app.state.metrics = metrics
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not aengine.is_running:
+            return JSONResponse({"status": "engine not running"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": oa.now(),
+            "owned_by": "nanolab",
+            "max_model_len": engine.config.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            metrics.requests.inc(status="rejected")
+            return error_response(400, f"the request body is not valid JSON: {exc}", code="invalid_json")
+        try:
+            req = oa.parse_completion_request(body, model_name)
+            cid = oa.new_completion_id()
+            group = await aengine.add(cid, req.prompts, [req.params] * len(req.prompts), req.priority)
+        except oa.InvalidRequest as exc:
+            metrics.requests.inc(status="rejected")
+            return error_response(400, exc.message, param=exc.param, code=exc.code)
+        except ValueError as exc:  # the engine refused a prompt (too long, bad token id, ...)
+            metrics.requests.inc(status="rejected")
+            return error_response(400, str(exc), param="prompt")
+        except EngineNotRunning as exc:
+            return error_response(503, f"{exc}; try again later", "server_error")
+        if req.stream:
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(
+                _stream(aengine, group, req), media_type="text/event-stream", headers=headers
+            )
+        try:
+            finals = await _collect(aengine, group, request)
+        except EngineStepError as exc:
+            return error_response(500, str(exc), "server_error")
+        except ClientGone:
+            return error_response(499, "the client closed the connection")
+        choices = [
+            oa.choice(i, o.outputs[0].text or "", o.outputs[0].finish_reason) for i, o in enumerate(finals)
+        ]
+        n_prompt = sum(len(o.prompt_token_ids) for o in finals)
+        n_out = sum(len(o.outputs[0].token_ids) for o in finals)
+        return oa.completion_body(cid, model_name, oa.now(), choices, oa.usage(n_prompt, n_out))
+
+    return app
+
+
+async def _collect(aengine: AsyncEngine, group: RequestGroup, request: Request) -> list[RequestOutput]:
+    """Wait for every request of the group to finish; abort them all if anything goes wrong."""
+    finals: list[RequestOutput | None] = [None] * len(group.request_ids)
+    remaining = len(finals)
+    get: asyncio.Future | None = None
+    next_poll = time.monotonic() + DISCONNECT_POLL_S
+    try:
+        while remaining:
+            get = get or asyncio.ensure_future(group.queue.get())
+            done, _ = await asyncio.wait({get}, timeout=DISCONNECT_POLL_S)
+            if time.monotonic() >= next_poll:  # outputs may arrive every step: poll by the clock
+                if await request.is_disconnected():
+                    raise ClientGone
+                next_poll = time.monotonic() + DISCONNECT_POLL_S
+            if not done:
+                continue
+            index, item = get.result()
+            get = None
+            if isinstance(item, EngineStepError):
+                raise item
+            if item.finished:
+                finals[index] = item
+                remaining -= 1
+    finally:
+        if get is not None:
+            get.cancel()
+        if remaining:  # error, disconnect or cancellation: stop the group's other requests too
+            aengine.abort(group.request_ids)
+    return finals  # type: ignore[return-value]
+
+
+async def _stream(aengine: AsyncEngine, group: RequestGroup, req: oa.CompletionRequest) -> AsyncIterator[str]:
+    """Server-sent events for a streamed completion. Cancelled when the client disconnects.
+
+    Everything already queued goes out in one write: when the server lags, tokens are sent together
+    rather than one write (and one thread switch) each.
+    """
+    cid, created, model = group.group_id, oa.now(), req.model
+    n = len(group.request_ids)
+    done = 0
+    failed = False
+    prompt_tokens = completion_tokens = 0
+    try:
+        while done < n and not failed:
+            items = [await group.queue.get()]
+            while not group.queue.empty():
+                items.append(group.queue.get_nowait())
+            events = []
+            for index, item in items:
+                if isinstance(item, EngineStepError):
+                    events.append(oa.sse(oa.error_body(str(item), "server_error")))
+                    failed = True
+                    break
+                c = item.outputs[0]
+                if c.delta_text or item.finished:
+                    finish = c.finish_reason if item.finished else None
+                    chunk = oa.completion_body(
+                        cid, model, created, [oa.choice(index, c.delta_text, finish)], None
+                    )
+                    if req.include_usage:
+                        chunk["usage"] = None  # as OpenAI: null on every chunk, the totals in a last one
+                    events.append(oa.sse(chunk))
+                if item.finished:
+                    done += 1
+                    prompt_tokens += len(item.prompt_token_ids)
+                    completion_tokens += len(c.token_ids)
+            if not failed and done == n and req.include_usage:
+                usage = oa.usage(prompt_tokens, completion_tokens)
+                events.append(oa.sse(oa.completion_body(cid, model, created, [], usage)))
+            if events:
+                yield "".join(events)
+        yield oa.sse("[DONE]")
+    finally:
+        if done < n:  # the client left (the generator was cancelled or closed) or the engine failed
+            aengine.abort(group.request_ids)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """`nanolab serve`: load the model, build the app and run uvicorn until interrupted."""
+    import uvicorn
+
+    from nanolab.engine.config import EngineConfig
+    from nanolab.model.loading import load_model, load_tokenizer, resolve_checkpoint
+
+    try:
+        config = EngineConfig.from_cli_args(args)
+        aengine = AsyncEngine(load_model(args.model), load_tokenizer(args.model), config)
+        name = args.served_model_name or resolve_checkpoint(args.model).name
+    except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if aengine.engine.tokenizer is None:
+        print("warning: this checkpoint has no nanolab tokenizer: send prompts as token ids", file=sys.stderr)
+    app = build_app(aengine, name)
+    print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
