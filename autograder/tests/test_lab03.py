@@ -186,6 +186,10 @@ def test_simulate_rejects_impossible_input(lab, rng):
         ("a stream out of arrival order", ok[::-1], 64, "reserve-max", 4),
         ("a paged pool of 30 slots in blocks of 4", ok, 30, "paged", 4),
     ]
+    sim_result(
+        lab.simulate(learner_stream(lab, ok), 64, "paged", 4, max_len),
+        "simulate on a valid stream of 2 requests",
+    )  # a valid call must work: raising on everything is no check of the input
     for what, stream, num_slots, strategy, block_size in bad_calls:
         try:
             lab.simulate(learner_stream(lab, stream), num_slots, strategy, block_size, max_len)
