@@ -186,6 +186,10 @@ def test_simulate_rejects_impossible_input(lab, rng):
         ("a stream out of arrival order", ok[::-1], 64, "reserve-max", 4),
         ("a paged pool of 30 slots in blocks of 4", ok, 30, "paged", 4),
     ]
+    sim_result(
+        lab.simulate(learner_stream(lab, ok), 64, "paged", 4, max_len),
+        "simulate on a valid stream of 2 requests",
+    )  # a valid call must work: raising on everything is no check of the input
     for what, stream, num_slots, strategy, block_size in bad_calls:
         try:
             lab.simulate(learner_stream(lab, stream), num_slots, strategy, block_size, max_len)
@@ -440,36 +444,38 @@ def valid_ops(rng, num_blocks: int, n: int) -> list[tuple[str, object]]:
 
 @pytest.mark.points(2)
 def test_allocator_speed_is_within_budget(lab, rng):
-    """Check that 6,000 engine-like calls on a pool of 50,000 blocks take at most 20x the Python twin's time.
+    """Check that 6,000 engine-like calls on a pool of 50,000 blocks take at most 20x the Python twin's CPU time.
 
-    The calls touch about 170,000 block ids; the 0.5 s on top of the ratio carries them and their results
-    to the sandbox and back. Reference figures on a 2-core machine: nanolab's Python twin takes about
-    0.035 s here (the C++ class a fifth of that), so the budget is about 1.2 s; the solution (a deque and
-    a list of counts) about 0.35 s through the sandbox, most of it the crossing; ``list.pop(0)`` for the
-    free list about 0.75 s (it passes); a free that looks for each id in the free list (``id in free``)
-    runs past the time limit and fails.
+    Each side is timed by its own CPU time (the reference's thread here, the learner's processes as the
+    grader reads them), so a busy machine does not move the budget; the wall clock stops the call at
+    twice the budget. The calls touch about 170,000 block ids; the 0.5 s on top of the ratio pays for
+    decoding them and encoding the results in the sandbox. Reference figures on a 2-core machine:
+    nanolab's Python twin takes about 0.035 s (the C++ class a fifth of that), so the budget is about
+    1.2 s; the solution (a deque and a list of counts) about 0.17 s in the sandbox, most of it the
+    decoding; ``list.pop(0)`` for the free list about 0.5 s (it passes); a free that looks for each id
+    in the free list (``id in free``) takes minutes and fails.
     """
     num_blocks = 50_000
     ops = valid_ops(rng, num_blocks, 6000)
     learner_replay(lab, 8, [("allocate", 2), ("free", [0])])  # fail fast if the allocator is missing
     timings = []
     for _ in range(3):
-        start = time.perf_counter()
+        start = time.thread_time()
         want = replay(PyBlockAllocator(num_blocks), ops, record_state=False)
-        timings.append(time.perf_counter() - start)
+        timings.append(time.thread_time() - start)
     budget = 20 * min(timings) + 0.5
     allocator = lab.BlockAllocator(num_blocks)
-    with lab.time_limit(budget + 5.0):
-        start = time.perf_counter()
+    with lab.time_limit(2 * budget + 2.0):
+        before = lab.cpu_seconds()
         got = expect(lab.replay(allocator, ops, False), list, "replay(...)")
-        elapsed = time.perf_counter() - start
+        elapsed = lab.cpu_seconds() - before
     assert [behaviour_of_result(r) for r in got] == [behaviour_of_result(r) for r in want], (
         "only a correct result counts: your allocator's results differ from nanolab's on these calls"
     )
     assert elapsed <= budget, (
-        f"6,000 calls on a pool of 50,000 blocks took {elapsed:.2f} s; the budget is {budget:.2f} s (20x nanolab's "
-        "Python allocator + 0.5 s). Keep the free list in a deque and the counts in a list: no call should scan the "
-        "free list"
+        f"6,000 calls on a pool of 50,000 blocks took {elapsed:.2f} s of CPU time; the budget is {budget:.2f} s "
+        "(20x nanolab's Python allocator + 0.5 s). Keep the free list in a deque and the counts in a list: no call "
+        "should scan the free list"
     )
 
 

@@ -625,3 +625,8 @@ def test_copy_on_write_without_free_blocks_changes_nothing(lab, rng):
     assert table_of(writer) == table and (refs_of(lab, allocator), allocator.free_list()) == before, (
         "a copy_on_write that returns None must change nothing"
     )
+    allocator.free([1 - table[0]])  # the other block is free again: now the copy can be made
+    pairs = expect(manager.copy_on_write(writer), list, "copy_on_write(...) with a free block")
+    assert [tuple(p) for p in pairs] == [(table[0], 1 - table[0])] and table_of(writer) == [1 - table[0]], (
+        "with a block free again, copy_on_write should copy the shared block the next token goes into"
+    )

@@ -1,0 +1,181 @@
+"""The grader's limits hold against a submission that plays for time and against hidden tests that
+misbehave: the notebook's budget clamps every call, a watchdog stops a grading worker that hangs
+(keeping the verdicts already decided), the worker's memory is capped, and without bubblewrap the
+worker still kills what a submission detached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+from grading_utils import STUB, sub
+
+from autograder.grade import DEFAULT_TESTS_DIR, GradeOptions, grade
+from autograder.sandbox import Limits
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTION = ROOT / "solutions" / "lab01_tokenizer.ipynb"
+LAB = ROOT / "labs" / "lab01_tokenizer.ipynb"
+GRADED = ("pair-counts", "merge", "train-merges", "bpe-encode", "tokenizer")
+
+# A Tokenizer whose every call takes most of the call timeout: the hidden tests hold on to one and
+# call its methods again and again, never fetching a notebook global in between.
+DAWDLER = """
+import time
+
+
+class Tokenizer:
+    merges = []
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    @classmethod
+    def train(cls, *args, **kwargs):
+        time.sleep(1.5)
+        return cls()
+
+    def encode(self, *args, **kwargs):
+        time.sleep(1.5)
+        return []
+
+    def decode(self, *args, **kwargs):
+        time.sleep(1.5)
+        return ""
+
+    def decode_bytes(self, *args, **kwargs):
+        time.sleep(1.5)
+        return b""
+"""
+
+
+def test_the_notebook_budget_clamps_every_call(tmp_path):
+    """With 6 s for the whole notebook and 2 s a call, a submission whose every call takes 1.5 s is
+    done in about 6 s (not minutes): once the budget is spent, each call fails at once, saying why."""
+    nb = json.loads(LAB.read_text())
+    for grade_id in GRADED[:4]:
+        sub(nb, grade_id, STUB, "import time; time.sleep(1.5); return []")
+    nb_cell = next(c for c in nb["cells"] if c["metadata"].get("nbgrader", {}).get("grade_id") == "tokenizer")
+    nb_cell["source"] = DAWDLER
+    path = tmp_path / "dawdler.ipynb"
+    path.write_text(json.dumps(nb))
+    limits = Limits(call_timeout_s=2, load_timeout_s=20, notebook_s=6)
+    start = time.monotonic()
+    [result] = grade([path], GradeOptions(limits=limits), progress=False)
+    assert time.monotonic() - start < 25 and result.execution_time < 15, result.execution_time
+    assert result.score == 0
+    outputs = [t.output for t in result.tests]
+    assert sum("longer than 6 s in all" in o for o in outputs) >= len(outputs) // 2, outputs
+
+
+HANGING_TESTS = '''
+import time
+
+from autograder.testing import expect
+
+
+def test_a_passes(lab):
+    """a quick check that passes"""
+    assert expect(lab.merge([], (1, 2), 256), list, "merge([], (1, 2), 256)") == []
+
+
+def test_b_hangs(lab):
+    """a check that never ends (in the grader, where no call timeout reaches)"""
+    time.sleep(3600)
+
+
+def test_c_after(lab):
+    """a check after the hang"""
+    assert lab.merge([1, 2], (1, 2), 256) == [256]
+'''
+
+
+def test_a_watchdog_stops_a_hung_worker_and_keeps_the_verdicts_decided(tmp_path):
+    """A grading worker that hangs is stopped after `Limits.watchdog`; its notebook keeps the verdicts
+    reported before the hang, every later test fails saying why, and its neighbour is graded as usual."""
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "test_lab01_hang.py").write_text(HANGING_TESTS)
+    limits = Limits(call_timeout_s=10, load_timeout_s=30, watchdog=20)
+    options = GradeOptions(tests_dir=DEFAULT_TESTS_DIR, extra_tests_dir=extra, limits=limits)
+    start = time.monotonic()
+    solution, blank = grade([SOLUTION, LAB], options, jobs=2, progress=False)
+    assert time.monotonic() - start < 60
+    status = {t.id: (t.status, t.output) for t in solution.tests}
+    builtin = [i for i in status if not i.startswith("extra/")]
+    assert builtin and all(status[i][0] == "passed" for i in builtin), status
+    assert status["extra/test_a_passes"][0] == "passed"
+    for hung in ("extra/test_b_hangs", "extra/test_c_after"):
+        assert status[hung][0] == "failed" and "stopped after 20 s" in status[hung][1], status[hung]
+    builtin_points = sum(t.max_score for t in solution.tests if not t.id.startswith("extra/"))
+    assert solution.score == builtin_points + 1  # every built-in point, and test_a_passes' one
+    assert any("stopped after 20 s" in m for m in solution.messages)
+    assert blank.score == 0 and len(blank.tests) == len(solution.tests)
+
+
+GREEDY_TESTS = '''
+def test_a_grader_that_wants_too_much_memory(lab):
+    """a check that allocates 8 GB in the grader"""
+    hog = bytearray(8 << 30)
+    assert hog
+
+
+def test_after_it(lab):
+    """a check after it"""
+    assert lab.merge([1, 2], (1, 2), 256) == [256]
+'''
+
+
+def test_a_grading_worker_cannot_take_more_memory_than_its_limit(tmp_path):
+    """The worker's address space is capped: an allocation over the cap fails that test alone."""
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "test_lab01_greedy.py").write_text(GREEDY_TESTS)
+    limits = Limits(call_timeout_s=10, load_timeout_s=30, grader_memory_mb=1024)
+    options = GradeOptions(tests_dir=tmp_path / "none", extra_tests_dir=extra, limits=limits)
+    (tmp_path / "none").mkdir()
+    [result] = grade([SOLUTION], options, progress=False)
+    status = {t.id: (t.status, t.output) for t in result.tests}
+    assert status["extra/test_a_grader_that_wants_too_much_memory"][0] == "failed"
+    assert "MemoryError" in status["extra/test_a_grader_that_wants_too_much_memory"][1]
+    assert status["extra/test_after_it"][0] == "passed" and result.internal_error is None
+
+
+DETACH = """
+import os, sys
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execv(sys.executable, [sys.executable, "-c", "import time\\nwhile True: time.sleep(1)", {marker!r}])
+    os._exit(0)
+"""
+
+
+def test_without_bubblewrap_the_worker_still_kills_what_a_submission_detached(tmp_path):
+    """Where there is no PID namespace, the grading worker adopts the processes a submission detaches
+    (fork, setsid) and kills them before it ends."""
+    marker = f"nanolab-detached-{uuid.uuid4().hex}"
+    nb = json.loads(LAB.read_text())
+    source = next(
+        c for c in nb["cells"] if c["metadata"].get("nbgrader", {}).get("grade_id") == "pair-counts"
+    )
+    source["source"] = DETACH.format(marker=marker) + "".join(source["source"])
+    path = tmp_path / "detacher.ipynb"
+    path.write_text(json.dumps(nb))
+    limits = Limits(call_timeout_s=5, load_timeout_s=30, isolate=False)
+    [result] = grade([path], GradeOptions(limits=limits), progress=False)
+    assert result.score == 0 and result.isolated is False
+    time.sleep(0.5)
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    left.append(pid)
+        except OSError:
+            pass
+    assert not left, "a detached process outlived its notebook's grading"
