@@ -43,6 +43,18 @@ PLANTED_BUGS = {
         "repeat(1, group, 1)",
         "test_causal_attention_matches_the_reference",
     ),
+    "attention_returns_its_queries": (  # depends on no other token, so no future token changes it
+        "causal-attention",
+        "    T, n_heads, head_dim = q.shape\n",
+        "    return q.clone()\n",
+        "test_future_tokens_have_no_influence",
+    ),
+    "sample_ignores_the_logits": (  # seeded, per row and reproducible, but blind to the logits
+        "sample",
+        "filtered = filter_logits(logits, params)  # (B, V)",
+        "filtered = torch.zeros_like(logits)",
+        "test_seeded_sampling_is_reproducible_and_independent_of_the_batch",
+    ),
     "cache_writes_at_offset_zero": (
         "kv-cache",
         "self.k[layer, start:end] = k\n        self.v[layer, start:end] = v",
