@@ -83,9 +83,9 @@ PLANTED_BUGS = {
         "test_encode_keeps_a_chunk_that_is_a_token_whole",
     ),
     "train_learns_nothing": (  # no merges at all: no token can span two chunks, and none is learned
-        "train-merges",
-        "while len(merges) < num_merges:",
-        "while False:",
+        "tokenizer",
+        "return cls(merges, pattern, specials)",
+        "return cls([], pattern, specials)",
         "test_train_never_merges_across_regex_chunks",
     ),
     "train_learns_no_merges": (
