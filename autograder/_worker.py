@@ -216,7 +216,7 @@ def main() -> None:
         except ImportError:
             pass
     sys.stdin = open(os.devnull)  # noqa: SIM115 - stdin stays closed for the submission
-    apply_limits(config["memory_mb"], config["cpu_s"], config["file_mb"])
+    apply_limits(config["memory_mb"], config["cpu_s"], config["file_mb"], config.get("tasks", 0))
     confined = confine(os.getcwd()) if config.get("confine", True) else {"writes": False, "signals": False}
     block_imports(config.get("blocked", {}))
     sys.argv = ["submission"]

@@ -4,7 +4,8 @@ Three layers, all applied by the process to itself (so they hold for everything 
 children included), inside bubblewrap's sandbox where the grader could start one
 (`autograder.isolation`) and on their own where it could not:
 
-- resource limits: address space, CPU seconds, written file size, no core files (`apply_limits`);
+- resource limits: address space, CPU seconds, written file size, no core files, and under bubblewrap
+  the number of processes and threads (`apply_limits`);
 - Landlock, where the Linux kernel has it: no writes outside one directory, no ptrace of other
   processes, and (Landlock ABI 6, Linux 6.12+) no signals to processes outside the sandbox (`confine`);
 - an import blocker for the reference modules of the lab being graded (`block_imports`): under
@@ -35,8 +36,9 @@ def _vm_bytes() -> int:
     return 0
 
 
-def apply_limits(memory_mb: int, cpu_s: int, file_mb: int) -> None:
-    """Cap address space (on top of what is mapped now), CPU seconds and written file size.
+def apply_limits(memory_mb: int, cpu_s: int, file_mb: int, tasks: int = 0) -> None:
+    """Cap address space (on top of what is mapped now), CPU seconds, written file size and, when
+    ``tasks`` is given, processes and threads (in a user namespace of its own, they count its own only).
 
     A limit the platform refuses is skipped (macOS, for one, does not enforce RLIMIT_AS); the
     grader's wall-clock limits still hold.
@@ -53,6 +55,8 @@ def apply_limits(memory_mb: int, cpu_s: int, file_mb: int) -> None:
     cap(resource.RLIMIT_CORE, 0)
     cap(resource.RLIMIT_CPU, cpu_s, hard_extra=5)  # SIGXCPU at the soft limit, SIGKILL 5 s later
     cap(resource.RLIMIT_FSIZE, file_mb * 1024 * 1024)
+    if tasks > 0:
+        cap(resource.RLIMIT_NPROC, tasks)
     mapped = _vm_bytes()
     if memory_mb > 0 and mapped > 0:
         cap(resource.RLIMIT_AS, mapped + memory_mb * 1024 * 1024)

@@ -53,6 +53,7 @@ class Limits:
     confine_writes: bool = True  # Landlock: no writes outside the working directory
     isolate: bool | None = None  # bubblewrap: None where it can run (`isolation.status`); False: never
     disk_mb: int = 128  # the size of the sandbox's tmpfs (under bubblewrap, all it may write)
+    tasks: int = 256  # processes and threads the sandbox may have at once (under bubblewrap)
     grader_memory_mb: int = 3072  # address space a grading worker may map on top of its start
     watchdog: float | None = None  # wall clock for a notebook's grading worker (None: `watchdog_s`)
 
@@ -108,6 +109,9 @@ class Sandbox:
             "blocked": self.blocked,
             "preload": list(self.preload),
             "parent": None if self.isolated else os.getpid(),  # die with the grader
+            # Processes and threads: in bubblewrap's user namespace the limit counts the sandbox's own
+            # (a fork bomb stops there); without it, it would count all of this user's, so none is set.
+            "tasks": self.limits.tasks if self.isolated else 0,
         }
         fds = [str(to_child_r), str(from_child_w), json.dumps(config)]
         if self.isolated:

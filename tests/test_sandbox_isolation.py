@@ -230,3 +230,34 @@ def test_every_process_of_a_sandbox_counts_and_dies_with_it():
     assert used >= 1.1, f"two children burning 0.6 s each were counted as {used:.2f} s"
     assert not markers(marker), "a detached process outlived its sandbox"
     assert not host_dir.exists(), "the sandbox's directory was left behind"
+
+
+FORK = """
+import os, signal
+
+def probe(attempts):
+    children, error = [], None
+    try:
+        for _ in range(attempts):
+            pid = os.fork()
+            if pid == 0:
+                signal.pause()
+                os._exit(0)
+            children.append(pid)
+    except OSError as e:
+        error = e.errno
+    return len(children), error
+"""
+
+
+def test_a_fork_bomb_stops_at_the_sandboxs_own_task_limit():
+    """Processes and threads count against the sandbox's own limit (its user namespace's), so forking
+    stops there, and every child dies with the sandbox."""
+    import errno
+
+    with sandbox(FORK, tasks=64) as sb:
+        made, error = sb.get(None, "probe")(200)
+        below = proctree.descendants(sb._proc.pid)
+    assert made < 64 and error == errno.EAGAIN, (made, error)
+    assert len(below) >= made
+    assert not [pid for pid in below if Path(f"/proc/{pid}").exists()], "children outlived the sandbox"
