@@ -2,7 +2,7 @@
 
 Examples::
 
-    nanolab grade labs/lab01_tokenizer.ipynb                       # a learner checks their own work
+    nanolab grade work/lab01_tokenizer.ipynb                       # a learner checks their own work
     nanolab grade submissions/*/lab01*.ipynb --jobs 2 --csv grades.csv --json grades.json
     nanolab grade /autograder/submission/*.ipynb --gradescope /autograder/results/results.json
     nanolab grade submissions/*/lab01*.ipynb --tests ~/private-tests    # their test_lab01*.py as well

@@ -85,7 +85,7 @@ PLANTED_BUGS = {
         "    return q.clone()\n",
         "test_future_tokens_have_no_influence",
     ),
-    "sample_ignores_the_logits": (
+    "sample_draws_uniformly": (
         "sample",
         "torch.multinomial(row.softmax(dim=-1), 1, generator=generator)",
         "torch.randint(len(row), (1,), generator=generator)",

@@ -21,7 +21,7 @@ def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
 def hf_filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The same chain HF's generate builds: temperature, top-k, top-p, min-p."""
     warpers = [logits_process.TemperatureLogitsWarper(p.temperature)]
-    if p.top_k != -1:
+    if p.top_k is not None:
         warpers.append(logits_process.TopKLogitsWarper(p.top_k))
     if p.top_p < 1:
         warpers.append(logits_process.TopPLogitsWarper(p.top_p))
@@ -59,7 +59,7 @@ def test_filter_keeps_the_same_tokens_and_distribution_as_hf_warpers(params):
 def test_per_row_parameters_give_each_row_what_it_would_get_alone(which):
     settings = SETTINGS + [SamplingParams(temperature=0.0)]
     if which == "every_ranked_row_has_top_k":  # ranks only a window of max(k) tokens
-        settings = [p for p in settings if p.top_p == 1 or p.top_k != -1]
+        settings = [p for p in settings if p.top_p == 1 or p.top_k is not None]
     logits = random_logits(len(settings), seed=1)
     batch = filter_logits(logits, settings)
     for i, p in enumerate(settings):
@@ -130,9 +130,9 @@ def test_make_generator_seeds_reproducibly():
         (dict(temperature=math.inf), "temperature must be a finite number"),
         (dict(top_p=0.0), r"top_p must be in \(0, 1\].*0.0"),
         (dict(top_p=1.5), r"top_p must be in \(0, 1\].*1.5"),
-        (dict(top_k=0), "top_k must be -1 \\(off\\) or an integer >= 1, got 0"),
-        (dict(top_k=-2), "top_k must be -1.*-2"),
-        (dict(top_k=2.5), "top_k must be -1.*2.5"),
+        (dict(top_k=0), "top_k must be None \\(off\\) or an integer >= 1, got 0"),
+        (dict(top_k=-1), "top_k must be None.*-1"),
+        (dict(top_k=2.5), "top_k must be None.*2.5"),
         (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"),
         (dict(min_p=1.1), r"min_p must be in \[0, 1\]"),
         (dict(max_tokens=0), "max_tokens must be an integer >= 1, got 0"),

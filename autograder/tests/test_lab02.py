@@ -707,7 +707,7 @@ def _params_of_kind(rng, kind: str, logits_row: torch.Tensor) -> SamplingParams:
     as in practice, so that the order of the two filters matters."""
     V = logits_row.shape[-1]
     temperature = 0.0 if kind == "greedy" else round(rng.uniform(0.3, 2.0), 3)
-    top_k = {"top_k": rng.randint(1, V), "top_k=1": 1, "both": rng.randint(2, max(2, V // 4))}.get(kind, -1)
+    top_k = {"top_k": rng.randint(1, V), "top_k=1": 1, "both": rng.randint(2, max(2, V // 4))}.get(kind)
     if kind == "greedy" and rng.random() < 0.5:
         top_k = rng.randint(1, V)
     p = SamplingParams(temperature=temperature, top_k=top_k)
@@ -800,7 +800,7 @@ def test_sampled_tokens_follow_the_filtered_distribution(lab, rng):
         V = rng.randint(5, 12)
         logits = 1.5 * torch.randn(1, V, generator=g)
         base = SamplingParams(
-            temperature=round(rng.uniform(0.6, 1.6), 2), top_k=rng.choice([-1, V - 1, V - 2])
+            temperature=round(rng.uniform(0.6, 1.6), 2), top_k=rng.choice([None, V - 1, V - 2])
         )
         params = _with_safe_top_p(rng, logits[0], base) if rng.random() < 0.7 else base
         probs = filter_logits(logits, [params]).softmax(-1)[0].double()

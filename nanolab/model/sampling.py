@@ -33,7 +33,7 @@ class SamplingParams:
     max_tokens: int = 16  # most tokens to generate (>= 1)
     temperature: float = 1.0  # logits are divided by it; 0 = greedy
     top_p: float = 1.0  # keep the smallest set of most likely tokens whose probability reaches top_p; 1 = off
-    top_k: int = -1  # keep the k most likely tokens; -1 = off
+    top_k: int | None = None  # keep the k most likely tokens; None = off
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one; 0 = off
     seed: int | None = None  # seeds this request's own generator; None = torch's global generator
     stop: list[str] | None = None  # stop when the output text contains one of these (excluded from the text)
@@ -49,8 +49,8 @@ class SamplingParams:
             )
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
-        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
-            raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
+            raise ValueError(f"top_k must be None (off) or an integer >= 1, got {self.top_k!r}")
         if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
         if self.seed is not None and not _is_int(self.seed):
@@ -97,16 +97,16 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     out = logits / temperature[:, None]  # (B, V)
     remove: torch.Tensor | None = None  # (B, V) bool: True = filtered out (None: nothing filtered yet)
 
-    ranked = [p.top_k != -1 or p.top_p < 1 for p in params]
+    ranked = [p.top_k is not None or p.top_p < 1 for p in params]
     if any(ranked):
         # top-k and top-p act on ranks: rank the candidates once (only the top max(k) when every ranked
         # row has a k, much cheaper than sorting the whole vocabulary), decide in rank order, and
         # scatter the decision back to token order.
         ks = [p.top_k for p, r in zip(params, ranked) if r]
-        window = V if -1 in ks else min(V, max(ks))
+        window = V if None in ks else min(V, max(ks))
         sorted_logits, order = out.topk(window, dim=-1)  # (B, window), descending
         rank = torch.arange(window, device=device)[None, :]
-        top_k = torch.tensor([p.top_k if p.top_k != -1 else V for p in params], device=device)
+        top_k = torch.tensor([V if p.top_k is None else p.top_k for p in params], device=device)
         sorted_remove = rank >= top_k[:, None]
         probs = sorted_logits.masked_fill(sorted_remove, -math.inf).softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # probability of the strictly more likely tokens

@@ -97,8 +97,8 @@ def parse_completion_request(body: Any, model_name: str) -> CompletionRequest:
         if body.get(name, neutral) not in (neutral, None):
             raise InvalidRequest(f"{name}={body[name]!r} is not supported by nanolab; leave it out", name)
     kw = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
-    if kw.get("top_k") == 0:
-        kw["top_k"] = -1  # 0 means "off" in vLLM's API too
+    if kw.get("top_k") in (0, -1):
+        kw["top_k"] = None  # vLLM's API spells "no limit" -1 (and 0); the Python API says None
     ignore_eos = body.get("ignore_eos", False)
     try:
         params = SamplingParams(**kw, ignore_eos=ignore_eos)
