@@ -23,8 +23,8 @@ from pathlib import Path
 from autograder import isolation
 from autograder.feedback import clean
 from autograder.grade import GradeOptions, grade
+from autograder.limits import DEFAULT_MEMORY_MB, Limits
 from autograder.results import print_table, write_csv, write_gradescope, write_json
-from autograder.sandbox import DEFAULT_MEMORY_MB, Limits
 from autograder.suite import EXTRA
 
 DEFAULT_LIMITS = Limits()

@@ -31,9 +31,9 @@ from typing import Any
 
 from autograder import batch, feedback, isolation, proctree
 from autograder.labs import LABS, LabSpec
+from autograder.limits import Limits
 from autograder.notebook import SubmissionError, notebook_lab, read_notebook, read_submission
 from autograder.results import SubmissionResult
-from autograder.sandbox import Limits
 from autograder.suite import EXTRA, TestFolder
 
 DEFAULT_TESTS_DIR = Path(__file__).resolve().parent / "tests"

@@ -12,9 +12,8 @@ bubblewrap (``bwrap``, the tool Flatpak uses) starts the submission's process:
 - on a file system of its own: ``/usr``, the interpreter and its standard library, the lab's packages
   and their dependencies (`lab_packages`), all read-only, a private ``/dev`` and ``/proc``, and one
   size-limited tmpfs, ``/sandbox`` (its working directory, home and ``/tmp`` are ``/sandbox/work``).
-  Nothing else: not the
-  checkout, the hidden tests, the solutions, other submissions, or any module the lab blocks; of the
-  grader, only the three files the sandbox runs (`RUNTIME`).
+  Nothing else: not the checkout, the hidden tests, the solutions, other submissions, or any module
+  the lab blocks; of the grader, only the three files the sandbox runs (`RUNTIME`).
 
 As root, bubblewrap itself runs as uid 65534, so the paths it binds are first bind-mounted (in a
 private mount namespace of a small launcher, `_LAUNCHER`) where that uid can reach them: on a stage
@@ -260,3 +259,19 @@ def command(
     (host_dir / "stage").mkdir(mode=0o700, exist_ok=True)
     spec = {"stage": str(host_dir / "stage"), "sources": sources, "uid": SANDBOX_UID, "argv": argv}
     return [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(spec)]
+
+
+def environment(home: str) -> dict[str, str]:
+    """The submission's whole environment (nothing of the grader's)."""
+    return {
+        "PATH": "/usr/bin:/bin",
+        "HOME": home,
+        "TMPDIR": home,
+        "LANG": "C.UTF-8",
+        "MPLBACKEND": "Agg",
+        "MPLCONFIGDIR": home,
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "MALLOC_ARENA_MAX": "2",
+    }

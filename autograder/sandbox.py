@@ -32,36 +32,10 @@ from typing import Any
 
 from autograder import codec, isolation, proctree
 from autograder.cleanup import remove_tree
+from autograder.limits import DEFAULT_MEMORY_MB, Limits
 from autograder.remote import Remote, RemoteError, SandboxFailure
 
-# Address space a notebook's code may map on top of the interpreter and its preloaded modules, unless
-# its lab asks for more (`LabSpec.memory_mb`) or the instructor sets ``--memory-mb``. The labs' graded
-# code works on small inputs and needs far less; a runaway allocation meets MemoryError quickly.
-DEFAULT_MEMORY_MB = 1024
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Resource limits for one sandboxed process."""
-
-    call_timeout_s: float = 30.0  # wall clock for one proxied call (a test may set another for a block)
-    load_timeout_s: float = 60.0  # wall clock to start and run the notebook's cells
-    cpu_s: int = 600  # CPU seconds over the process's life (background threads included)
-    memory_mb: int | None = None  # address space on top of the interpreter and preloads (None: the lab's)
-    file_mb: int = 64  # largest file the process may write
-    notebook_s: float = 900.0  # wall clock for all calls into one notebook; later calls fail at once
-    confine_writes: bool = True  # Landlock: no writes outside the working directory
-    isolate: bool | None = None  # bubblewrap: None where it can run (`isolation.status`); False: never
-    disk_mb: int = 128  # the size of the sandbox's tmpfs (under bubblewrap, all it may write)
-    tasks: int = 256  # processes and threads the sandbox may have at once (under bubblewrap)
-    grader_memory_mb: int = 3072  # address space a grading worker may map on top of its start
-    watchdog: float | None = None  # wall clock for a notebook's grading worker (None: `watchdog_s`)
-
-    @property
-    def watchdog_s(self) -> float:
-        """Wall clock after which a notebook's grading worker is stopped, whatever it is doing: by
-        default the notebook's budget and loading time, and two minutes for the grader's own work."""
-        return self.watchdog if self.watchdog is not None else self.notebook_s + self.load_timeout_s + 120.0
+__all__ = ["DEFAULT_MEMORY_MB", "Limits", "Sandbox"]
 
 
 @dataclass
@@ -118,12 +92,17 @@ class Sandbox:
             home = isolation.WORK_DIR
             inner = [isolation.interpreter(), "-I", "-S", "-B", "-c", isolation.BOOT, *fds]
             modules = (*self.preload, *self.packages)
-            argv = isolation.command(inner, _env(home), modules, self.limits.disk_mb, self._dir)
+            argv = isolation.command(
+                inner, isolation.environment(home), modules, self.limits.disk_mb, self._dir
+            )
             cwd, env = "/", {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
         else:
             cwd = self._dir / "work"
             cwd.mkdir()
-            argv, env = [sys.executable, "-I", "-m", "autograder._worker", *fds], _env(str(cwd))
+            argv, env = (
+                [sys.executable, "-I", "-m", "autograder._worker", *fds],
+                isolation.environment(str(cwd)),
+            )
         log = open(self._dir / "output.log", "wb")  # noqa: SIM115 - the child writes to it
         try:
             self._proc = subprocess.Popen(
@@ -331,19 +310,3 @@ class Sandbox:
             hint = {"SIGXCPU": "CPU time limit", "SIGXFSZ": "file size limit", "SIGKILL": "killed"}.get(name)
             return f"signal {name}" + (f", {hint}" if hint else "")
         return f"exit code {code}"
-
-
-def _env(home: str) -> dict[str, str]:
-    """The submission's whole environment (nothing of the grader's)."""
-    return {
-        "PATH": "/usr/bin:/bin",
-        "HOME": home,
-        "TMPDIR": home,
-        "LANG": "C.UTF-8",
-        "MPLBACKEND": "Agg",
-        "MPLCONFIGDIR": home,
-        "OMP_NUM_THREADS": "1",
-        "OPENBLAS_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "MALLOC_ARENA_MAX": "2",
-    }

@@ -29,9 +29,10 @@ import pytest
 
 from autograder import origin
 from autograder.labs import LabSpec
+from autograder.limits import Limits
 from autograder.notebook import Submission
 from autograder.remote import RemoteError, SandboxFailure
-from autograder.sandbox import Limits, Sandbox
+from autograder.sandbox import Sandbox
 
 
 class GradingProblem(Exception):
