@@ -48,9 +48,11 @@ INSTALL_HINT = (
 )
 
 # Runs the grader's own sandbox modules under their usual names, loaded from RUNTIME_DIR by path
-# (the rest of the package is not there), then the worker's main loop.
+# (the rest of the package is not there), then the worker's main loop. The interpreter runs without
+# `site` (no site-packages of its own); exit() and quit() are still there for the learner's code.
 BOOT = f"""
-import importlib.util, sys, types
+import importlib.util, site, sys, types
+site.setquit()
 package = types.ModuleType("autograder")
 package.__path__ = []
 sys.modules["autograder"] = package
