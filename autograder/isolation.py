@@ -204,6 +204,12 @@ def lab_packages(modules: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((path, name) for name, path in entries.items()))
 
 
+def _module_key(name: str) -> str:
+    """``torch``, ``torch-2.1.dist-info``, ``typing_extensions.py`` -> the module they hold, normalised."""
+    name = name.split(".", 1)[0] if not name.endswith(".dist-info") else name.split("-", 1)[0]
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
 def _top_level(dist) -> set[str]:
     """The top-level names a distribution installed (from its RECORD), its metadata folder included."""
     record = dist.read_text("RECORD") or ""
@@ -214,11 +220,16 @@ def _top_level(dist) -> set[str]:
 
 
 def command(
-    inner: list[str], env: dict[str, str], modules: tuple[str, ...], tmpfs_mb: int, host_dir: Path
+    inner: list[str],
+    env: dict[str, str],
+    modules: tuple[str, ...],
+    tmpfs_mb: int,
+    host_dir: Path,
+    blocked: tuple[str, ...] = (),
 ) -> list[str]:
-    """The argv that runs ``inner`` in a fresh sandbox holding ``modules``' packages, with ``env`` as
-    its whole environment and a tmpfs of ``tmpfs_mb`` MB. As root it goes through the launcher, which
-    stages the binds in ``host_dir/stage``."""
+    """The argv that runs ``inner`` in a fresh sandbox holding ``modules``' packages but never a
+    ``blocked`` one (should one be a dependency), with ``env`` as its whole environment and a tmpfs of
+    ``tmpfs_mb`` MB. As root it goes through the launcher, which stages the binds in ``host_dir/stage``."""
     bwrap = shutil.which("bwrap") or "bwrap"
     binds: list[tuple[str, str]] = []  # (host path, sandbox path), bound read-only
     args = ["--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
@@ -236,7 +247,12 @@ def command(
             binds.append((os.path.realpath(f"/etc/{name}"), f"/etc/{name}"))
     package_dir = Path(__file__).resolve().parent
     binds += [(str(package_dir / f"{name}.py"), f"{RUNTIME_DIR}/{name}.py") for name in RUNTIME]
-    site_binds = [(path, f"{SITE_DIR}/{name}") for path, name in lab_packages(modules)]
+    refused = {_module_key(name) for name in blocked}
+    site_binds = [
+        (path, f"{SITE_DIR}/{name}")
+        for path, name in lab_packages(modules)
+        if _module_key(name) not in refused
+    ]
     sources = [source for source, _ in binds + site_binds]
     if os.geteuid() == 0:
         staged = {source: f"/tmp/{i}" for i, source in enumerate(sources)}

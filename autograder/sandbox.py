@@ -92,9 +92,8 @@ class Sandbox:
             home = isolation.WORK_DIR
             inner = [isolation.interpreter(), "-I", "-S", "-B", "-c", isolation.BOOT, *fds]
             modules = (*self.preload, *self.packages)
-            argv = isolation.command(
-                inner, isolation.environment(home), modules, self.limits.disk_mb, self._dir
-            )
+            env = isolation.environment(home)
+            argv = isolation.command(inner, env, modules, self.limits.disk_mb, self._dir, tuple(self.blocked))
             cwd, env = "/", {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
         else:
             cwd = self._dir / "work"

@@ -261,3 +261,14 @@ def test_a_fork_bomb_stops_at_the_sandboxs_own_task_limit():
     assert made < 64 and error == errno.EAGAIN, (made, error)
     assert len(below) >= made
     assert not [pid for pid in below if Path(f"/proc/{pid}").exists()], "children outlived the sandbox"
+
+
+def test_a_blocked_module_is_absent_even_as_a_dependency():
+    """The sandbox holds a lab's packages and their dependencies, except any module the lab blocks."""
+    probe = LOOK_AROUND
+    limits = Limits(call_timeout_s=20, load_timeout_s=30)
+    blocked = {"markupsafe": "blocked for this test"}
+    with Sandbox([{"id": "probe", "source": probe}], {"probe": []}, limits, blocked, (), ("jinja2",)) as sb:
+        sb.start()
+        found = sb.get(None, "probe")([], ["jinja2", "markupsafe", "regex"])
+    assert found["modules"] == {"jinja2": True, "markupsafe": False, "regex": False}, found["modules"]
