@@ -267,3 +267,21 @@ def test_the_cli_raises_a_lowered_soft_limit_and_says_when_it_cannot_write(tmp_p
         else:
             assert "could not write" in out.stderr and not out_file.exists()
             assert not list(tmp_path.glob(".grades-*"))
+
+
+# ---------------------------------------------------------------------------------------------- telling
+
+
+def test_nanolab_info_says_which_sandbox_grading_uses(capsys, monkeypatch):
+    """``nanolab info`` names the sandbox; where there is none it says so, and how to get one."""
+    from autograder import isolation
+    from nanolab.cli import main
+
+    assert main(["info"]) == 0
+    assert "grading sandbox:" in capsys.readouterr().out
+    missing = isolation.Status(False, reason="bubblewrap (bwrap) is not installed")
+    monkeypatch.setattr(isolation, "status", lambda: missing)
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "NOT ISOLATED (bubblewrap (bwrap) is not installed)" in out
+    assert "apt-get install bubblewrap" in out and "container" in out
