@@ -475,13 +475,14 @@ def _read(cache, table: list[int], length: int, block_size: int) -> list[float]:
 @pytest.mark.points(2)
 def test_copy_on_write_leaves_the_other_holders_data_untouched(lab, rng):
     """Check that samples forked from one prompt each write into a private copy: the parent's and siblings' tokens never change."""
-    for _ in range(2):
+    for boundary in (False, True):  # a prompt that ends inside a block, then one that fills its last block
         block_size = rng.choice([2, 3, 4])
         num_blocks = 48
         allocator = lab.BlockAllocator(num_blocks)
         manager = lab.BlockManager(allocator, block_size)
         cache = lab.PagedKVCache(learner_shape(lab, 1, 1, 1, 2), num_blocks, block_size)
-        prompt = rng.randint(1, 4 * block_size)
+        full = rng.randint(0, 3) * block_size
+        prompt = full + block_size if boundary else full + rng.randint(1, block_size - 1)
         tokens = [float(i + 1) for i in range(prompt)]
         parent_table, _, _ = _write(lab, manager, cache, [], 0, tokens, block_size)
         samples = {}
