@@ -128,6 +128,7 @@ def grade_notebook(
         return result
 
     session = Session(submission, spec, options.limits, seed, rejected, options.max_restarts)
+    session.warm_up()  # the sandbox starts while pytest imports and collects the tests
     with tempfile.TemporaryDirectory(prefix="nanolab-tests-") as tmp:
         modules, prefixes = [], {}
         for folder in tests:

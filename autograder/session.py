@@ -14,11 +14,13 @@ test set for a block with `time_limit`, and never more than what is left of the 
 it before every call, so the limits hold across a restart inside a block.
 
 Whether a graded name is the learner's own code is decided here, from the notebook's text
-(`autograder.origin`); the sandbox's own report can only take credit away.
+(`autograder.origin`); the sandbox's own report can only take credit away. The first sandbox may be
+started in the background (`Session.warm_up`) while pytest loads the tests; `ready` waits for it.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,6 +61,7 @@ class Session:
         self.rejected = rejected  # why the notebook cannot be graded: every test fails with it
         self.max_restarts = max_restarts
         self.sandbox: Sandbox | None = None
+        self._warming: threading.Thread | None = None
         self.fatal: str | None = None
         self.restarts = 0
         self.last_failure = ""
@@ -90,8 +93,24 @@ class Session:
         """The time limit of the next call into the submission (see the module docstring)."""
         return min(self.call_timeout, self.remaining())
 
+    def warm_up(self) -> None:
+        """Start the sandbox in the background (while pytest loads the hidden tests); `ready` waits."""
+        if self.submission is not None and not self.rejected and self._warming is None:
+            self._warming = threading.Thread(target=self._start_quietly, name="sandbox start", daemon=True)
+            self._warming.start()
+
+    def _start_quietly(self) -> None:
+        try:
+            self.ready()
+        except GradingProblem:
+            pass  # remembered in self.fatal: the first test that needs the sandbox fails with it
+
     def ready(self) -> Sandbox:
         """The running sandbox, started or restarted as the policy in the module docstring says."""
+        warming = self._warming
+        if warming is not None and warming is not threading.current_thread():
+            warming.join()
+            self._warming = None
         if self.rejected:
             raise GradingProblem(self.rejected)
         if self.fatal:
@@ -175,6 +194,8 @@ class Session:
         self.last_failure = reason
 
     def close(self) -> None:
+        if self._warming is not None and self._warming is not threading.current_thread():
+            self._warming.join()
         if self.sandbox is not None:
             self.sandbox.close()
 
