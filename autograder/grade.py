@@ -179,6 +179,9 @@ def _forget_modules(directory: str, folders: list[str]) -> None:
 def _grade_task(conn: Any) -> None:
     """A batch worker's whole life: grade one notebook, talking through ``conn`` (`autograder.batch`)."""
     path, options, tests = conn.recv()
+    # Only the grader's own plugin: whatever pytest plugins this environment has installed (hypothesis,
+    # anyio, ...) neither take part in grading nor cost each notebook their start-up.
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     _not_dumpable()
     proctree.become_subreaper()  # what the submission detaches stays below this process
     _limit_memory(options.limits.grader_memory_mb)

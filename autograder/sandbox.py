@@ -68,6 +68,18 @@ class Sandbox:
 
     def start(self) -> dict:
         """Start the process and run the cells; returns the load report (per-cell errors, origins)."""
+        self.launch()
+        return self.load()
+
+    @property
+    def launched(self) -> bool:
+        """Its process was started and its cells were not run yet (see `launch`)."""
+        return self._proc is not None and self.load_report is None
+
+    def launch(self) -> None:
+        """Start the process and return at once: it loads its interpreter and preloads while the caller
+        goes on, and `load` then runs the cells. Call it from a thread that outlives the sandbox (the
+        main thread): the sandbox dies with the thread that started it."""
         self.close()
         self.generation += 1
         isolate = self.limits.isolate
@@ -119,6 +131,10 @@ class Sandbox:
             os.close(to_child_r)
             os.close(from_child_w)
         self._rfd, self._wfd = from_child_r, to_child_w
+        self.load_report = None
+
+    def load(self) -> dict:
+        """Wait for the launched process, then run the cells; returns the load report."""
         hello = self._receive(self.limits.load_timeout_s, "starting the sandbox")
         confined = hello.get("confined") if isinstance(hello, dict) else None
         self.confined = self.isolated or (isinstance(confined, dict) and confined.get("writes") is True)

@@ -15,12 +15,11 @@ it before every call, so the limits hold across a restart inside a block.
 
 Whether a graded name is the learner's own code is decided here, from the notebook's text
 (`autograder.origin`); the sandbox's own report can only take credit away. The first sandbox may be
-started in the background (`Session.warm_up`) while pytest loads the tests; `ready` waits for it.
+launched early (`Session.warm_up`), so that it starts while pytest loads the tests.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -61,7 +60,6 @@ class Session:
         self.rejected = rejected  # why the notebook cannot be graded: every test fails with it
         self.max_restarts = max_restarts
         self.sandbox: Sandbox | None = None
-        self._warming: threading.Thread | None = None
         self.fatal: str | None = None
         self.restarts = 0
         self.last_failure = ""
@@ -94,28 +92,25 @@ class Session:
         return min(self.call_timeout, self.remaining())
 
     def warm_up(self) -> None:
-        """Start the sandbox in the background (while pytest loads the hidden tests); `ready` waits."""
-        if self.submission is not None and not self.rejected and self._warming is None:
-            self._warming = threading.Thread(target=self._start_quietly, name="sandbox start", daemon=True)
-            self._warming.start()
-
-    def _start_quietly(self) -> None:
-        try:
-            self.ready()
-        except GradingProblem:
-            pass  # remembered in self.fatal: the first test that needs the sandbox fails with it
+        """Launch the sandbox now, so that it loads its interpreter and preloads while pytest loads the
+        hidden tests; the first `ready` runs the notebook's cells in it."""
+        if self.submission is not None and not self.rejected and self.sandbox is None:
+            sandbox = self._new_sandbox(self.remaining())
+            try:
+                sandbox.launch()
+            except OSError:
+                return  # `ready` starts one, and says why if it cannot
+            self.sandbox = sandbox
 
     def ready(self) -> Sandbox:
         """The running sandbox, started or restarted as the policy in the module docstring says."""
-        warming = self._warming
-        if warming is not None and warming is not threading.current_thread():
-            warming.join()
-            self._warming = None
         if self.rejected:
             raise GradingProblem(self.rejected)
         if self.fatal:
             raise GradingProblem(self.fatal)
         left = self.remaining()
+        if self.sandbox is not None and self.sandbox.launched:
+            return self._load(self.sandbox)  # launched by `warm_up`
         if self.sandbox is not None and self.sandbox.alive:
             return self.sandbox
         if self.sandbox is not None:
@@ -126,10 +121,15 @@ class Session:
                     f"(last: {self.last_failure}); fix that first"
                 )
             self.restarts += 1
+        sandbox = self.sandbox = self._new_sandbox(left)
+        sandbox.launch()
+        return self._load(sandbox)
+
+    def _new_sandbox(self, left: float) -> Sandbox:
         assert self.submission is not None
         spec = self.spec
         graded = {cell: list(names) for cell, names in spec.graded_cells.items()}
-        sandbox = Sandbox(
+        return Sandbox(
             self.submission.cells,
             graded,
             replace(self.limits, load_timeout_s=min(self.limits.load_timeout_s, left)),
@@ -138,9 +138,11 @@ class Session:
             spec.packages,
             current_call_timeout=self.next_call_timeout,
         )
-        self.sandbox = sandbox
+
+    def _load(self, sandbox: Sandbox) -> Sandbox:
+        """Run the notebook's cells in a launched sandbox; a notebook that cannot load fails every test."""
         try:
-            sandbox.start()
+            sandbox.load()
         except (SandboxFailure, RemoteError) as e:
             tail = sandbox.output_tail(600).strip()
             self.fatal = f"your notebook's code could not be loaded: {e}" + (
@@ -194,8 +196,6 @@ class Session:
         self.last_failure = reason
 
     def close(self) -> None:
-        if self._warming is not None and self._warming is not threading.current_thread():
-            self._warming.join()
         if self.sandbox is not None:
             self.sandbox.close()
 

@@ -305,10 +305,10 @@ def test_training_speed_is_within_budget(lab, rng):
     grader reads them), so neither a busy machine nor anything the learner's code does to other
     processes moves the budget; the wall clock stops the call at twice the budget.
     The text is 30 KB of stdlib source repeated 4 times (about 1,400 distinct chunks, 32,000 chunk
-    occurrences); 150 merges. Reference figures on a 2-core machine: the reference (incremental pair
-    counts and a heap) takes about 0.13 s; the straightforward solution that re-counts the pairs of
-    the *distinct* chunks after every merge about 1.5 s (~11x); re-counting over every chunk
-    *occurrence* instead takes about 18 s (~130x) and fails.
+    occurrences); 150 merges. Reference figures (CPU time) on a 2-core machine: the reference
+    (incremental pair counts and a heap) takes about 0.03 s, so the budget is about 1.5 s; the
+    straightforward solution that re-counts the pairs of the *distinct* chunks after every merge about
+    0.27 s (~10x); re-counting over every chunk *occurrence* instead takes about 3.2 s (~125x) and fails.
     """
     text = source_text(rng, 30_000) * 4
     lab.Tokenizer.train(text[:2000], 260)  # fail fast (before timing the reference) if train is missing
