@@ -179,3 +179,25 @@ def test_without_bubblewrap_the_worker_still_kills_what_a_submission_detached(tm
         except OSError:
             pass
     assert not left, "a detached process outlived its notebook's grading"
+
+
+def test_a_sandbox_launched_early_is_still_there_for_the_first_test():
+    """`Session.warm_up` launches the sandbox before the tests load; it must wait for the first test
+    (no restart, no lost time), whatever happens meanwhile in the grader's other threads."""
+    import threading
+
+    from autograder.notebook import read_submission
+    from autograder.session import Session
+
+    submission = read_submission(SOLUTION)
+    session = Session(submission, submission.spec, Limits(call_timeout_s=10, load_timeout_s=30), seed=0)
+    try:
+        session.warm_up()
+        worker = threading.Thread(target=time.sleep, args=(0.1,))  # a thread that ends meanwhile
+        worker.start()
+        worker.join()
+        time.sleep(1.0)
+        assert session.global_("merge")([1, 2, 1, 2], (1, 2), 256) == [256, 256]
+        assert session.restarts == 0 and session.sandbox is not None and session.sandbox.alive
+    finally:
+        session.close()
