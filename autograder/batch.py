@@ -47,12 +47,15 @@ class _Job:
 def run(
     paths: Sequence[str],
     task: Task,
-    args: tuple[Any, ...],
+    args: tuple[Any, ...] | Callable[[], tuple[Any, ...]],
     jobs: int,
     watchdog_s: float,
     on_result: Callable[[int, SubmissionResult], None] = lambda i, r: None,
 ) -> list[SubmissionResult]:
-    """Grade each of ``paths`` with ``task`` in its own process, ``jobs`` at a time; results in order."""
+    """Grade each of ``paths`` with ``task`` in its own process, ``jobs`` at a time; results in order.
+
+    ``args`` may be a function giving them: it is called once the first workers are starting, so that
+    what it waits for overlaps with their start-up."""
     context = multiprocessing.get_context("spawn")
     results: dict[int, SubmissionResult] = {}
     waiting, running = list(enumerate(paths)), []
@@ -65,6 +68,7 @@ def run(
         on_result(job.index, result)
 
     while waiting or running:
+        starting = []
         while waiting and len(running) < max(1, jobs):
             index, path = waiting.pop(0)
             ours, theirs = context.Pipe()
@@ -72,8 +76,12 @@ def run(
             process.start()
             theirs.close()
             running.append(_Job(index, path, process, ours))
+            starting.append(running[-1])
+        if callable(args):
+            args = args()
+        for job in starting:
             try:
-                ours.send((path, *args))
+                job.conn.send((job.path, *args))
             except OSError:  # it died at once; its sentinel says so below
                 pass
         now = time.monotonic()
@@ -82,6 +90,8 @@ def run(
         for job in list(running):
             if job.conn in ready or job.process.sentinel in ready:
                 _drain(job)
+            if job.result is None and not job.process.is_alive():
+                _drain(job)  # it may have ended just after sending its result
             if job.result is not None:
                 finish(job, SubmissionResult.from_dict(job.result))
             elif not job.process.is_alive():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 from pathlib import Path
 
 from autograder import isolation
@@ -98,13 +99,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"nanolab grade: the tests folder {args.tests} does not exist", file=sys.stderr)
         return 2
     options = grade_options(args)
-    status = isolation.status()
-    print(("" if status.available else "WARNING: ") + status.describe(), file=sys.stderr)
+    threading.Thread(target=_say_which_sandbox, daemon=True).start()  # while the workers start
     _raise_soft_limits()
     jobs = min(args.jobs, os.cpu_count() or 1, len(args.notebooks))
     results = grade(args.notebooks, options, jobs=jobs, progress=sys.stderr.isatty())
 
     print_table(results, sys.stdout, details=True if args.details else None)
+    status = isolation.status()
     if not status.available and any(r.confined is False for r in results):
         print(
             "WARNING: this kernel has no Landlock either, so submissions could write outside their "
@@ -127,6 +128,12 @@ def run(args: argparse.Namespace) -> int:
                 print(f"nanolab grade: could not write {option}: {e}", file=sys.stderr)
                 written = False
     return 1 if failed or not written else 0
+
+
+def _say_which_sandbox() -> None:
+    """Print, as soon as it is known, whether submissions run in a bubblewrap sandbox."""
+    status = isolation.status()
+    print(("" if status.available else "WARNING: ") + status.describe(), file=sys.stderr, flush=True)
 
 
 def _raise_soft_limits() -> None:

@@ -261,9 +261,15 @@ def grade(
     results in the same order; every notebook gets one, whatever happens (`autograder.batch`)."""
     from tqdm.auto import tqdm
 
-    options = (options or GradeOptions()).resolved()
+    options = options or GradeOptions()
     tests = options.read_tests()
     paths = [str(p) for p in paths]
+
+    def arguments() -> tuple[GradeOptions, tuple[TestFolder, ...]]:
+        nonlocal options  # the sandbox is decided (a trial run of bubblewrap) while the workers start
+        options = options.resolved()
+        return options, tests
+
     with tqdm(
         total=len(paths), desc="grading", unit="notebook", disable=not progress or len(paths) < 2
     ) as bar:
@@ -275,4 +281,4 @@ def grade(
             bar.update()
 
         jobs = max(1, min(jobs, len(paths)))
-        return batch.run(paths, _grade_task, (options, tests), jobs, options.limits.watchdog_s, done)
+        return batch.run(paths, _grade_task, arguments, jobs, options.limits.watchdog_s, done)

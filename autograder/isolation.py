@@ -31,6 +31,7 @@ import site
 import subprocess
 import sys
 import sysconfig
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,9 +118,20 @@ class Status:
         )
 
 
-@functools.cache
+_status: list[Status] = []  # the answer, once known
+_status_lock = threading.Lock()
+
+
 def status() -> Status:
-    """Find bubblewrap and start a trial sandbox (once per process)."""
+    """Find bubblewrap and start a trial sandbox: once per process (a second caller, in another
+    thread, waits for the first one's answer)."""
+    with _status_lock:
+        if not _status:
+            _status.append(_check())
+        return _status[0]
+
+
+def _check() -> Status:
     if not sys.platform.startswith("linux"):
         return Status(False, reason=f"bubblewrap needs Linux, this is {sys.platform}")
     bwrap = shutil.which("bwrap")
