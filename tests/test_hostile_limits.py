@@ -201,3 +201,23 @@ def test_a_sandbox_launched_early_is_still_there_for_the_first_test():
         assert session.restarts == 0 and session.sandbox is not None and session.sandbox.alive
     finally:
         session.close()
+
+
+def _answer_at_once(conn) -> None:
+    """A batch task that sends its result and ends at once (the race a batch must not lose)."""
+    from autograder.results import SubmissionResult
+
+    path, lab = conn.recv()
+    conn.send(("done", SubmissionResult(path, lab).to_dict()))
+
+
+def test_every_worker_that_answers_and_ends_at_once_keeps_its_result():
+    """A worker that ends right after sending its result is not taken for one that died."""
+    from autograder import batch
+
+    paths = [f"n{i}.ipynb" for i in range(40)]
+    results = batch.run(paths, _answer_at_once, (7,), jobs=4, watchdog_s=60)
+    assert [r.submission for r in results] == paths
+    assert all(r.internal_error is None and r.lab == 7 for r in results), [
+        r.internal_error for r in results if r.internal_error
+    ]
