@@ -31,6 +31,7 @@ import site
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,8 +157,6 @@ def _check() -> Status:
 
 def make_host_dir() -> str:
     """A private directory of the grader for one sandbox (its output log; as root, the stage's mount point)."""
-    import tempfile
-
     return tempfile.mkdtemp(prefix="nanolab-sandbox-")
 
 
@@ -174,12 +173,14 @@ def _bound_trees() -> list[str]:
 
 def _masked(trees: list[str]) -> list[str]:
     """Package folders inside the bound trees (the base interpreter's site-packages, Debian's
-    dist-packages, a virtual environment placed there): hidden behind empty read-only mounts."""
+    dist-packages, a virtual environment placed there, conda's other environments and package cache):
+    hidden behind empty read-only mounts."""
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
     candidates = set(site.getsitepackages([sys.base_prefix, sys.prefix]) + site.getsitepackages())
     candidates |= {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
     candidates |= {"/usr/lib/python3/dist-packages", f"/usr/lib/{version}/dist-packages"}
     candidates |= {f"/usr/local/lib/{version}/{kind}-packages" for kind in ("site", "dist")}
+    candidates |= {os.path.join(sys.base_prefix, name) for name in ("envs", "pkgs")}  # conda's base
     real = {os.path.realpath(p) for p in candidates if os.path.isdir(p)}
     return sorted(p for p in real if any(p == t or p.startswith(t + "/") for t in trees))
 
@@ -260,11 +261,8 @@ def command(
     package_dir = Path(__file__).resolve().parent
     binds += [(str(package_dir / f"{name}.py"), f"{RUNTIME_DIR}/{name}.py") for name in RUNTIME]
     refused = {_module_key(name) for name in blocked}
-    site_binds = [
-        (path, f"{SITE_DIR}/{name}")
-        for path, name in lab_packages(modules)
-        if _module_key(name) not in refused
-    ]
+    packages = lab_packages(modules) if modules else ()
+    site_binds = [(path, f"{SITE_DIR}/{name}") for path, name in packages if _module_key(name) not in refused]
     sources = [source for source, _ in binds + site_binds]
     if os.geteuid() == 0:
         staged = {source: f"/tmp/{i}" for i, source in enumerate(sources)}
