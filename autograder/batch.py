@@ -16,6 +16,7 @@ Whatever happens, every notebook gets a result:
 from __future__ import annotations
 
 import multiprocessing
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,12 +24,15 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from autograder.cleanup import remove_tree
 from autograder.results import SubmissionResult, TestResult
 
-# The worker's entry point: task(conn) receives (path, *args) through conn, then sends ("lab", number),
-# ("collected", [test, ...]), ("test", test) and finally ("done", result) (tests and results as dicts).
-# The arguments go through the pipe rather than to the process's start, which would block forever on
-# a worker that dies before reading them all.
+# The worker's entry point: task(conn) receives (workdir, path, *args) through conn, then sends
+# ("lab", number), ("collected", [test, ...]), ("test", test) and finally ("done", result) (tests and
+# results as dicts). The arguments go through the pipe rather than to the process's start, which would
+# block forever on a worker that dies before reading them all. ``workdir`` is the worker's own temporary
+# folder: all its grading's temporary files go there, and the batch removes it when the worker ends,
+# however it ends (a worker killed by the watchdog cleans up nothing itself).
 Task = Callable[..., None]
 
 
@@ -38,6 +42,7 @@ class _Job:
     path: str
     process: BaseProcess
     conn: Connection
+    workdir: str
     started: float = field(default_factory=time.monotonic)
     lab: int | None = None
     tests: dict[str, dict] = field(default_factory=dict)  # by id, as last reported
@@ -64,6 +69,7 @@ def run(
         running.remove(job)
         job.conn.close()
         job.process.join(timeout=5)
+        remove_tree(job.workdir)
         results[job.index] = result
         on_result(job.index, result)
 
@@ -75,13 +81,13 @@ def run(
             process = context.Process(target=task, args=(theirs,), daemon=True)
             process.start()
             theirs.close()
-            running.append(_Job(index, path, process, ours))
+            running.append(_Job(index, path, process, ours, tempfile.mkdtemp(prefix="nanolab-worker-")))
             starting.append(running[-1])
         if callable(args):
             args = args()
         for job in starting:
             try:
-                job.conn.send((job.path, *args))
+                job.conn.send((job.workdir, job.path, *args))
             except OSError:  # it died at once; its sentinel says so below
                 pass
         now = time.monotonic()

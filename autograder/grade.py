@@ -178,7 +178,8 @@ def _forget_modules(directory: str, folders: list[str]) -> None:
 
 def _grade_task(conn: Any) -> None:
     """A batch worker's whole life: grade one notebook, talking through ``conn`` (`autograder.batch`)."""
-    path, options, tests = conn.recv()
+    workdir, path, options, tests = conn.recv()
+    tempfile.tempdir = os.environ["TMPDIR"] = workdir  # the batch removes it, however this ends
     # Only the grader's own plugin: whatever pytest plugins this environment has installed (hypothesis,
     # anyio, ...) neither take part in grading nor cost each notebook their start-up.
     os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -94,9 +95,13 @@ def test_c_after(lab):
 '''
 
 
-def test_a_watchdog_stops_a_hung_worker_and_keeps_the_verdicts_decided(tmp_path):
+def test_a_watchdog_stops_a_hung_worker_and_keeps_the_verdicts_decided(tmp_path, monkeypatch):
     """A grading worker that hangs is stopped after `Limits.watchdog`; its notebook keeps the verdicts
-    reported before the hang, every later test fails saying why, and its neighbour is graded as usual."""
+    reported before the hang, every later test fails saying why, its neighbour is graded as usual, and
+    nothing of the stopped worker's is left in the temporary folder."""
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))
     extra = tmp_path / "extra"
     extra.mkdir()
     (extra / "test_lab01_hang.py").write_text(HANGING_TESTS)
@@ -115,6 +120,7 @@ def test_a_watchdog_stops_a_hung_worker_and_keeps_the_verdicts_decided(tmp_path)
     assert solution.score == builtin_points + 1  # every built-in point, and test_a_passes' one
     assert any("stopped after 20 s" in m for m in solution.messages)
     assert blank.score == 0 and len(blank.tests) == len(solution.tests)
+    assert not list(private_tmp.iterdir()), "the stopped worker's directories were left behind"
 
 
 GREEDY_TESTS = '''
@@ -155,9 +161,12 @@ if os.fork() == 0:
 """
 
 
-def test_without_bubblewrap_the_worker_still_kills_what_a_submission_detached(tmp_path):
+def test_without_bubblewrap_the_worker_still_kills_what_a_submission_detached(tmp_path, monkeypatch):
     """Where there is no PID namespace, the grading worker adopts the processes a submission detaches
-    (fork, setsid) and kills them before it ends."""
+    (fork, setsid) and kills them before it ends; no directory of its sandboxes is left."""
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))
     marker = f"nanolab-detached-{uuid.uuid4().hex}"
     nb = json.loads(LAB.read_text())
     source = next(
@@ -179,6 +188,7 @@ def test_without_bubblewrap_the_worker_still_kills_what_a_submission_detached(tm
         except OSError:
             pass
     assert not left, "a detached process outlived its notebook's grading"
+    assert not list(private_tmp.iterdir()), "the grading left directories behind"
 
 
 def test_a_sandbox_launched_early_is_still_there_for_the_first_test():
@@ -207,7 +217,7 @@ def _answer_at_once(conn) -> None:
     """A batch task that sends its result and ends at once (the race a batch must not lose)."""
     from autograder.results import SubmissionResult
 
-    path, lab = conn.recv()
+    workdir, path, lab = conn.recv()
     conn.send(("done", SubmissionResult(path, lab).to_dict()))
 
 
