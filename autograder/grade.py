@@ -178,6 +178,8 @@ def _forget_modules(directory: str, folders: list[str]) -> None:
 
 def _grade_task(conn: Any) -> None:
     """A batch worker's whole life: grade one notebook, talking through ``conn`` (`autograder.batch`)."""
+    import autograder.plugin  # noqa: F401 - with pytest, loaded while the batch decides the sandbox
+
     workdir, path, options, tests = conn.recv()
     tempfile.tempdir = os.environ["TMPDIR"] = workdir  # the batch removes it, however this ends
     # Only the grader's own plugin: whatever pytest plugins this environment has installed (hypothesis,
