@@ -159,12 +159,19 @@ def grade_notebook(
 
 def _safe_feedback(tests: Sequence[TestFolder], submission: Any) -> Callable[[str], str]:
     """What every test's feedback goes through: no control characters, no line of the hidden tests,
-    the solutions or the reference, unless the learner's own notebook has it too."""
-    secret, public = feedback.grader_sources()
-    hidden = [data.decode("utf-8", "replace") for folder in tests for data in folder.files.values()]
-    own = [cell["source"] for cell in submission.cells] if submission is not None else []
-    redact = feedback.Redactor([*hidden, *secret], [*public, *own])
-    return lambda text: feedback.clean(redact(text))
+    the solutions or the reference, unless the learner's own notebook has it too. (The index of those
+    lines is built for the first failure: a notebook that passes everything never needs it.)"""
+    redactors: list[feedback.Redactor] = []
+
+    def safe(text: str) -> str:
+        if not redactors:
+            secret, public = feedback.grader_sources()
+            hidden = [data.decode("utf-8", "replace") for folder in tests for data in folder.files.values()]
+            own = [cell["source"] for cell in submission.cells] if submission is not None else []
+            redactors.append(feedback.Redactor([*hidden, *secret], [*public, *own]))
+        return feedback.clean(redactors[0](text))
+
+    return safe
 
 
 def _forget_modules(directory: str, folders: list[str]) -> None:
