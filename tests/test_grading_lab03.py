@@ -35,7 +35,7 @@ PLANTED_BUGS = {
         "simulate",
         "external = free if free >= need else 0",
         "external = free",
-        "test_simulate_matches_the_reference_on_random_streams",
+        "test_simulate_edge_cases",
     ),
     "free_list_last_in_first_out": (
         "block-allocator",

@@ -159,7 +159,7 @@ def test_simulate_matches_the_reference_on_random_streams(lab, rng):
 
 
 def test_simulate_edge_cases(lab, rng):
-    """Check simulate on edges: an empty stream, a pool filled exactly, requests of max_len, equal arrivals."""
+    """Check simulate on edges: an empty stream, a pool filled exactly, too few free slots, equal arrivals."""
     max_len = rng.choice([4, 8])
     cases = [
         ([], 16),
@@ -168,6 +168,8 @@ def test_simulate_edge_cases(lab, rng):
         ([SimRequest(t, rng.randint(1, max_len), 2) for t in (0, 2, 4, 6, 8)], max_len),  # one at a time
         ([SimRequest(0, 1, math.inf)] * (2 * max_len + 1), 2 * max_len),  # one-token requests, one too many
         ([SimRequest(0, 3, 1), SimRequest(0, 3, 1), SimRequest(1, max_len, 1)], 2 * max_len),
+        # the second request fails with some slots free, but fewer than it needs: no external waste
+        ([SimRequest(0, max_len, math.inf), SimRequest(0, max_len, 1)], max_len + max_len // 2),
     ]
     for stream, num_slots in cases:
         for strategy in STRATEGIES:
