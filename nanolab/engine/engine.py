@@ -24,7 +24,7 @@ import torch
 
 from nanolab.engine.config import EngineConfig
 from nanolab.engine.prompt import Prompt, PromptProcessor, as_prompt_list
-from nanolab.engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from nanolab.engine.request import FinishReason, Request, RequestOutput, RequestStatus, finish
 from nanolab.engine.scheduler import Scheduler, SchedulerProtocol
 from nanolab.engine.stats import EngineStats, StepListener, StepRecord
 from nanolab.memory.block_allocator import BlockAllocator, BlockAllocatorProtocol
@@ -172,7 +172,7 @@ class Engine:
         try:
             return self._step(finished_only)
         except Exception as exc:
-            waiting = [r for r in self.requests.values() if r.status is not RequestStatus.RUNNING]
+            waiting = [r for r in self.requests.values() if r.status != RequestStatus.RUNNING]
             victims = self._in_flight if self._in_flight is not None else waiting
             outputs = [out for r in victims if (out := self.abort(r.request_id)) is not None]
             raise EngineStepError(
@@ -185,7 +185,7 @@ class Engine:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if not out:
-            if any(r.status is RequestStatus.RUNNING for r in self.requests.values()) or not self.requests:
+            if any(r.status == RequestStatus.RUNNING for r in self.requests.values()) or not self.requests:
                 return []
             raise RuntimeError("the scheduler admitted nothing although no request is running")
         batch = out.scheduled
@@ -270,8 +270,7 @@ class Engine:
     def _finish(self, r: Request, reason: FinishReason, release: bool = True) -> None:
         if release:
             self.scheduler.finish(r)
-        r.status = RequestStatus.FINISHED
-        r.finish_reason = reason
+        finish(r, reason)
         r.finish_time = time.monotonic()
         self._finished_requests += 1
         del self.requests[r.request_id]  # the engine forgets finished requests (its caller has the output)
@@ -282,7 +281,7 @@ class Engine:
         """A snapshot of the counters and of the engine's state now (see `EngineStats`)."""
         allocator, cache = self.block_manager.allocator, self.block_manager.prefix_cache
         prefix = cache.stats() if cache is not None else None
-        running = sum(r.status is RequestStatus.RUNNING for r in self.requests.values())
+        running = sum(r.status == RequestStatus.RUNNING for r in self.requests.values())
         return EngineStats(
             steps=self._steps,
             generated_tokens=self._generated_tokens,

@@ -1,14 +1,17 @@
 r"""A request's life in the engine: its state machine, its progress and its outputs.
 
     WAITING --admit--> RUNNING --finish--> FINISHED
-       ^                  |  \
-       |               preempt \--abort--> FINISHED (abort)
-       +---- PREEMPTED <--+
+                       ^     |
+                  admit|     |preempt          (abort: WAITING, RUNNING or PREEMPTED -> FINISHED)
+                       |     v
+                      PREEMPTED
 
 A request is WAITING until the scheduler admits it, RUNNING while it holds KV blocks and is being
-prefilled or decoded, PREEMPTED when the scheduler took its blocks back (it waits to be recomputed from
-scratch, keeping the tokens it already generated), and FINISHED with a reason: "stop" (end-of-sequence,
-a stop token or a stop string), "length" (max_tokens or the model's context length) or "abort".
+prefilled or decoded, PREEMPTED when the scheduler took its blocks back (it is back in the waiting queue,
+to be recomputed from scratch, keeping the tokens it already generated), and FINISHED with a reason:
+"stop" (end-of-sequence, a stop token or a stop string), "length" (max_tokens or the model's context
+length) or "abort". `admit`, `preempt` and `finish` are the only moves; any other raises
+`IllegalTransition`. As in vLLM, a preempted request is admitted again straight from PREEMPTED.
 
 `num_computed_tokens` is the number of the request's tokens whose keys and values are in the KV cache.
 Prefill is over once it reaches the prompt length; each decode step then adds one. Preemption resets it
@@ -31,7 +34,9 @@ import torch
 from nanolab.model.sampling import SamplingParams, make_generator
 
 
-class RequestStatus(Enum):
+class RequestStatus(str, Enum):
+    """Where a request is in its life (compare with ``==``: a status equals its value, ``"running"``)."""
+
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
@@ -42,6 +47,55 @@ class FinishReason(str, Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+
+
+class IllegalTransition(RuntimeError):
+    """A request was asked to move between two states its state machine does not connect."""
+
+
+def _move(req: Request, allowed: tuple[RequestStatus, ...], to: RequestStatus, event: str) -> None:
+    if req.status not in allowed:
+        raise IllegalTransition(
+            f"request {req.request_id!r} cannot {event}: it is {RequestStatus(req.status).value}, "
+            f"and only a {' or '.join(s.value for s in allowed)} request can"
+        )
+    req.status = to
+
+
+def admit(req: Request) -> None:
+    """WAITING or PREEMPTED -> RUNNING: the scheduler gave the request its KV blocks.
+
+    Raises IllegalTransition from any other state.
+
+    Example:
+        >>> r = Request("r", [1, 2, 3], SamplingParams())
+        >>> admit(r); r.status.value
+        'running'
+    """
+    _move(req, (RequestStatus.WAITING, RequestStatus.PREEMPTED), RequestStatus.RUNNING, "be admitted")
+
+
+def preempt(req: Request) -> None:
+    """RUNNING -> PREEMPTED: the request lost its KV blocks and will be recomputed from scratch.
+
+    ``num_computed_tokens`` goes back to 0 and ``num_preemptions`` up by one; the tokens it generated are
+    kept (recomputing them gives their keys and values back). Raises IllegalTransition unless RUNNING.
+    """
+    _move(req, (RequestStatus.RUNNING,), RequestStatus.PREEMPTED, "be preempted")
+    req.num_computed_tokens = 0
+    req.num_preemptions += 1
+
+
+def finish(req: Request, reason: FinishReason) -> None:
+    """-> FINISHED with ``reason``: "stop" or "length" from RUNNING only, "abort" from any live state.
+
+    Raises IllegalTransition for a finished request, or for "stop"/"length" on a request not running.
+    """
+    reason = FinishReason(reason)
+    live = (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED)
+    allowed = live if reason is FinishReason.ABORT else (RequestStatus.RUNNING,)
+    _move(req, allowed, RequestStatus.FINISHED, f"finish with {reason.value!r}")
+    req.finish_reason = reason
 
 
 @dataclass(eq=False)
@@ -106,7 +160,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+        return self.status == RequestStatus.FINISHED
 
     @property
     def is_prefilling(self) -> bool:

@@ -21,12 +21,12 @@ Policies order the waiting queue: "fcfs" (arrival), "priority" (lower value firs
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, runtime_checkable
 
 from nanolab.engine.config import EngineConfig, SchedulingPolicy
-from nanolab.engine.request import Request, RequestStatus
+from nanolab.engine.request import Request, RequestStatus, admit, preempt
 from nanolab.memory.block_manager import BlockManager
 
 
@@ -71,6 +71,68 @@ class SchedulerProtocol(Protocol):
     def abort(self, req: Request) -> None: ...
 
 
+def waiting_order(waiting: Sequence[Request], policy: str, now: int, aging_steps: int) -> list[Request]:
+    """The waiting requests in the order ``policy`` admits them (a new list; ties go by arrival time).
+
+    - ``"fcfs"``: by ``arrival_time``.
+    - ``"priority"``: by ``priority`` (lower first) minus one level per whole ``aging_steps`` steps
+      waited since ``arrival_step`` (``now`` is the current step), so a request waits a bounded time.
+    - ``"shortest"``: by tokens still to compute (``remaining_prefill()``), fewest first.
+
+    Raises ValueError for another policy.
+
+    Example:
+        >>> from nanolab.model.sampling import SamplingParams
+        >>> old = Request("old", [1] * 9, SamplingParams(), priority=2, arrival_time=0.0)
+        >>> new = Request("new", [1] * 3, SamplingParams(), priority=0, arrival_time=1.0, arrival_step=30)
+        >>> [r.request_id for r in waiting_order([old, new], "priority", now=30, aging_steps=20)]
+        ['new', 'old']
+        >>> [r.request_id for r in waiting_order([old, new], "priority", now=60, aging_steps=20)]
+        ['old', 'new']
+    """
+    if policy == SchedulingPolicy.FCFS:
+        key: Callable[[Request], tuple] = lambda r: (r.arrival_time,)  # noqa: E731
+    elif policy == SchedulingPolicy.PRIORITY:
+        if aging_steps < 1:
+            raise ValueError(f"aging_steps must be at least 1, got {aging_steps}")
+        key = lambda r: (r.priority - (now - r.arrival_step) // aging_steps, r.arrival_time)  # noqa: E731
+    elif policy == SchedulingPolicy.SHORTEST:
+        key = lambda r: (r.remaining_prefill(), r.arrival_time)  # noqa: E731
+    else:
+        names = ", ".join(repr(p.value) for p in SchedulingPolicy)
+        raise ValueError(f"unknown scheduling policy {policy!r}; the policies are {names}")
+    return sorted(waiting, key=key)
+
+
+def importance(req: Request) -> tuple[int, int]:
+    """Sort key among running requests, most important first: priority, then earliest admitted."""
+    return (req.priority, req.admitted_seq or 0)
+
+
+def choose_victim(running: Sequence[Request], scheduled: Sequence[Request], needy: Request) -> Request:
+    """Which request gives its KV blocks back when ``needy`` (running) needs a block and none is free.
+
+    The least important running request (see `importance`) that is neither ``needy`` nor already in this
+    step's batch (``scheduled``) — unless there is none, or it is more important than ``needy``: then
+    ``needy`` itself (it goes back to waiting rather than push out a more important request).
+
+    Example:
+        >>> from nanolab.model.sampling import SamplingParams
+        >>> a, b, c = (Request(n, [1], SamplingParams()) for n in "abc")
+        >>> a.admitted_seq, b.admitted_seq, c.admitted_seq = 1, 2, 3
+        >>> choose_victim([a, b, c], scheduled=[c], needy=a).request_id
+        'b'
+        >>> choose_victim([a, b, c], scheduled=[b, c], needy=a).request_id
+        'a'
+    """
+    taken = {id(r) for r in scheduled}
+    candidates = [r for r in running if id(r) not in taken and r is not needy]
+    victim = max(candidates, key=importance, default=None)
+    if victim is None or importance(victim) < importance(needy):
+        return needy
+    return victim
+
+
 class Scheduler:
     """Token-budget scheduler with chunked prefill, three waiting policies and preemption by recompute."""
 
@@ -88,8 +150,19 @@ class Scheduler:
     # -- bookkeeping --------------------------------------------------------------------------------
 
     def add(self, req: Request) -> None:
+        """Queue a new request; ValueError, naming the limit, for one that could never be admitted."""
+        cfg, tokens = self.config, req.num_tokens
+        if not cfg.enable_chunked_prefill and tokens > cfg.max_num_batched_tokens:
+            raise ValueError(
+                f"request {req.request_id!r} has {tokens} tokens to prefill but, without chunked prefill, "
+                f"a step computes at most max_num_batched_tokens={cfg.max_num_batched_tokens}"
+            )
+        if self.block_manager.num_blocks_for(tokens) > self.block_manager.num_total_blocks:
+            raise ValueError(
+                f"request {req.request_id!r} needs {self.block_manager.num_blocks_for(tokens)} KV blocks "
+                f"for its {tokens} tokens but the pool has num_blocks={self.block_manager.num_total_blocks}"
+            )
         req.arrival_step = self.step_count
-        req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
     def finish(self, req: Request) -> None:
@@ -106,43 +179,25 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _waiting_key(self) -> Callable[[Request], tuple]:
-        policy, now = self.config.scheduling_policy, self.step_count
-        if policy is SchedulingPolicy.PRIORITY:
-            aging = self.config.aging_steps
-            return lambda r: (r.priority - (now - r.arrival_step) / aging, r.arrival_time)
-        if policy is SchedulingPolicy.SHORTEST:
-            return lambda r: (r.remaining_prefill(), r.arrival_time)
-        return lambda r: (r.arrival_time,)
-
-    @staticmethod
-    def _importance(r: Request) -> tuple[int, int]:
-        """Sort key among running requests: most important first (the victim is the last)."""
-        return (r.priority, r.admitted_seq or 0)
-
-    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
-        self.running.remove(victim)
-        self.block_manager.release(victim)
-        victim.status = RequestStatus.PREEMPTED
-        victim.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.append(victim)
-        out.preempted.append(victim)
-
     def _make_room(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Grow ``req`` by ``num_new`` tokens, preempting less important unscheduled requests if needed.
 
         Returns False (and preempts ``req`` itself) when no such victim is left.
         """
         while not self.block_manager.grow(req, num_new):
-            scheduled = {id(s.request) for s in out.scheduled}
-            candidates = [r for r in self.running if id(r) not in scheduled and r is not req]
-            victim = max(candidates, key=self._importance, default=None)
-            if victim is None or self._importance(victim) < self._importance(req):
-                self._preempt(req, out)
-                return False
+            victim = choose_victim(self.running, [s.request for s in out.scheduled], req)
             self._preempt(victim, out)
+            if victim is req:
+                return False
         return True
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.block_manager.release(victim)
+        preempt(victim)
+        self.num_preemptions += 1
+        self.waiting.append(victim)
+        out.preempted.append(victim)
 
     # -- the step -----------------------------------------------------------------------------------
 
@@ -154,11 +209,11 @@ class Scheduler:
 
         # 1. decodes (one token left to compute), then 2. chunks of running prefills; most important
         # first in each group.
-        todo = [(r, r.remaining_prefill()) for r in sorted(self.running, key=self._importance)]
+        todo = [(r, r.remaining_prefill()) for r in sorted(self.running, key=importance)]
         for req, remaining in [x for x in todo if x[1] == 1] + [x for x in todo if x[1] > 1]:
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this step
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
             num_new = min(remaining, budget)
             if not self._make_room(req, num_new, out):
@@ -167,7 +222,7 @@ class Scheduler:
             budget -= num_new
 
         # 3. waiting requests, in policy order.
-        self.waiting.sort(key=self._waiting_key())
+        self.waiting = waiting_order(self.waiting, cfg.scheduling_policy, self.step_count, cfg.aging_steps)
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
             if not cfg.enable_chunked_prefill and req.remaining_prefill() > budget:
@@ -176,7 +231,7 @@ class Scheduler:
             if num_new is None:
                 break  # not enough KV blocks: it waits until running requests release some
             self.waiting.pop(0)
-            req.status = RequestStatus.RUNNING
+            admit(req)
             self._admissions += 1
             req.admitted_seq = self._admissions
             self.running.append(req)
