@@ -188,7 +188,9 @@ class Engine:
             if any(r.status == RequestStatus.RUNNING for r in self.requests.values()) or not self.requests:
                 return []
             raise RuntimeError("the scheduler admitted nothing although no request is running")
-        batch = out.scheduled
+        # One-token entries (decodes, and 1-token prefill chunks, which attend the same way) first: the
+        # paged cache runs them as one decode-attention group. Stable, so a scheduler's order is kept.
+        batch = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
         self._in_flight = [r for r, _ in batch]
         seqs, ids = [], []
         sample_rows, to_sample, prefilled = [], [], []

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, runtime_checkable
 
 from nanolab.engine.config import EngineConfig, SchedulingPolicy
-from nanolab.engine.request import Request, RequestStatus, admit, preempt
+from nanolab.engine.request import FinishReason, Request, RequestStatus, admit, preempt
 from nanolab.memory.block_manager import BlockManager
 
 
@@ -238,7 +238,68 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
 
-        # One-token entries (decodes, and 1-token prefill chunks, which attend the same way) go first:
-        # the paged cache runs them as one decode-attention group. The sort is stable.
-        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         return out
+
+
+def replay_schedule(
+    scheduler: SchedulerProtocol,
+    events: Sequence[tuple],
+    new_request: Callable[[str, int, int, float], Request] | None = None,
+) -> list[tuple]:
+    """Play an engine's part around ``scheduler``, without a model: schedulers are compared this way.
+
+    Events: ``("add", request_id, prompt_len, output_len, priority, arrival_time)``, ``("step",)`` and
+    ``("abort", request_id)``. At each step the scheduler schedules; every scheduled request then gets its
+    tokens computed, one that computed its last token gets a new one (token id 0), and one that has
+    ``output_len`` output tokens finishes ("length"). One record per event: for "add" and "abort"
+    ``("ok",)`` or ``("error", exception type name, message)``; for "step" ``("step", {request_id:
+    num_new_tokens}, [preempted ids, in order], {request_id: block table} of the scheduled requests)``.
+    ``new_request(request_id, prompt_len, priority, arrival_time)`` builds a request (default: a greedy
+    `Request` of ``prompt_len`` tokens). Lab 4's notebook holds a copy of this function.
+
+    Example:
+        >>> from nanolab.engine.config import EngineConfig
+        >>> from nanolab.memory.block_allocator import PyBlockAllocator
+        >>> cfg = EngineConfig(block_size=4, num_blocks=8, max_num_batched_tokens=64, max_model_len=64)
+        >>> s = Scheduler(cfg, BlockManager(PyBlockAllocator(8), block_size=4))
+        >>> replay_schedule(s, [("add", "a", 5, 2, 0, 0.0), ("step",), ("step",), ("step",)])
+        [('ok',), ('step', {'a': 5}, [], {'a': [0, 1]}), ('step', {'a': 1}, [], {'a': [0, 1]}), ('step', {}, [], {})]
+    """
+    if new_request is None:
+        from nanolab.model.sampling import SamplingParams
+
+        def new_request(rid: str, n: int, priority: int, arrival: float) -> Request:
+            return Request(rid, [1] * n, SamplingParams(), priority=priority, arrival_time=arrival)
+
+    live: dict[str, tuple[Request, int]] = {}
+    records = []
+    for event in events:
+        try:
+            if event[0] == "add":
+                rid, prompt_len, output_len, priority, arrival = event[1:]
+                req = new_request(rid, prompt_len, priority, arrival)
+                scheduler.add(req)
+                live[rid] = (req, output_len)
+                record: tuple = ("ok",)
+            elif event[0] == "abort":
+                req, _ = live.pop(event[1])
+                scheduler.abort(req)
+                req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
+                record = ("ok",)
+            else:
+                out = scheduler.schedule()
+                batch = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+                tables = {s.request.request_id: list(s.request.block_table) for s in out.scheduled}
+                record = ("step", batch, [r.request_id for r in out.preempted], tables)
+                for req, n in out.scheduled:
+                    req.num_computed_tokens += n
+                    if req.num_computed_tokens == req.num_tokens:  # sampled: one more token
+                        req.output_token_ids.append(0)
+                        if len(req.output_token_ids) >= live[req.request_id][1]:
+                            scheduler.finish(req)
+                            req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.LENGTH
+                            del live[req.request_id]
+        except Exception as e:  # the error is part of the behaviour being compared
+            record = ("error", type(e).__name__, str(e))
+        records.append(record)
+    return records
