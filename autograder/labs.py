@@ -141,6 +141,30 @@ LABS: dict[int, LabSpec] = {
         # layer's q, k, v. torch is preloaded because importing it maps a lot of address space.
         preload=("torch", "numpy"),
     ),
+    4: LabSpec(
+        number=4,
+        name="schedulers",
+        title="Lab 4: Schedulers",
+        notebook="lab04_schedulers.ipynb",
+        setup_cells=("setup",),
+        graded_cells=MappingProxyType(
+            {
+                "transitions": ("admit", "preempt", "finish"),
+                "batching": ("simulate_batching",),
+                "policies": ("waiting_order",),
+                "victim": ("choose_victim",),
+                "scheduler": ("Scheduler",),
+            }
+        ),
+        blocked_modules=MappingProxyType(
+            {
+                "nanolab": _OWN_CODE,
+                "autograder": "graded code may not use the grader",
+                "vllm": "your scheduler must be your own",
+            }
+        ),
+        # Pure Python: the models run in the grader, which replays the scheduler's decisions.
+    ),
 }
 
 
