@@ -45,7 +45,11 @@ Tests may import nanolab's reference freely: they run in the grader, never in th
 
 from __future__ import annotations
 
+import functools
+import os
 import random
+import sysconfig
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -55,7 +59,17 @@ from autograder.remote import Remote, RemoteError
 from autograder.session import SESSION_KEY, Session
 
 # The fixtures are not imported: a test asks for them by name.
-__all__ = ["VISIBILITIES", "Learner", "Remote", "RemoteError", "expect"]
+__all__ = [
+    "VISIBILITIES",
+    "Learner",
+    "Remote",
+    "RemoteError",
+    "bundled_model",
+    "expect",
+    "expect_value_error",
+    "spread_out",
+    "stdlib_text",
+]
 
 VISIBILITIES = ("visible", "hidden", "after_due_date", "after_published")
 
@@ -110,6 +124,52 @@ def expect(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
     names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
     got = value.type_name + " object" if isinstance(value, Remote) else type(value).__name__
     raise AssertionError(f"{what} should be a {names}, but it is a {got}")
+
+
+def expect_value_error(call: Callable[[], object], what: str) -> None:
+    """Fail with ``what``, and what happened instead, unless ``call()`` raises ValueError in the learner's code."""
+    try:
+        call()
+    except RemoteError as e:  # an exception of the learner's code
+        if "ValueError" in str(e):
+            return
+        text = str(e)
+        happened = f"it raised {text if len(text) <= 100 else text[:95] + '...'}"
+    else:
+        happened = "it raised nothing"
+    raise AssertionError(f"{what} ({happened})")
+
+
+# -- inputs that several labs' tests share (models run in the grader, never in the sandbox)
+
+
+@functools.cache
+def stdlib_text(*names: str) -> str:
+    """The text of these modules of Python's standard library (``"textwrap.py"``, ...), joined: real text
+    to tokenize, the same on every machine with this Python."""
+    root = sysconfig.get_paths()["stdlib"]
+    return "".join(open(os.path.join(root, name), encoding="utf-8").read() for name in names)
+
+
+@functools.cache
+def bundled_model() -> tuple[Any, Any]:
+    """nanolab's bundled model and its tokenizer, loaded once per grading process."""
+    import nanolab
+
+    return nanolab.load_model(), nanolab.load_tokenizer()
+
+
+def spread_out(model: Any, seed: int) -> Any:
+    """Redraw a random model's weights larger than the training init, so that its logits are spread out
+    (near-ties between the top two tokens, which make greedy outputs fragile, become rare)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if "norm" in name and name.endswith("weight") else 0.15 * noise)
+    return model.eval()
 
 
 # -- the fixtures (registered by the grader's pytest plugin; a test asks for them by name)

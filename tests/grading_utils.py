@@ -75,3 +75,33 @@ class Batch:
         options = GradeOptions(tests_dir=self.tests_copy, limits=limits, max_restarts=2)
         results = grade([self.notebooks[n] for n in names], options, jobs=2, progress=False)
         return dict(zip(names, results))
+
+
+# -- the checks every lab's grading tests make on its standard batch (see `Batch.add_standard`)
+
+
+def check_solution_scores_full_marks(results: dict[str, SubmissionResult], lab: int) -> None:
+    result = results["solution"]
+    failed = {t.id: t.output for t in result.tests if t.status != "passed"}
+    assert result.lab == lab and result.max_score > 0 and not failed, failed
+    assert result.score == result.max_score
+
+
+def check_blank_lab_scores_zero(results: dict[str, SubmissionResult]) -> None:
+    result = results["blank"]
+    assert result.max_score == results["solution"].max_score
+    assert result.score == 0
+    assert all("NotImplementedError" in t.output for t in result.tests), {
+        t.id: t.output for t in result.tests
+    }
+
+
+def check_planted_bug_is_caught(
+    results: dict[str, SubmissionResult], planted_bugs: dict[str, tuple[str, str, str, str]], name: str
+) -> None:
+    """The test aimed at planted bug ``name`` fails, and the submission keeps partial credit."""
+    result = results[f"bug_{name}"]
+    catcher = planted_bugs[name][3]
+    status = {t.id: t.status for t in result.tests}
+    assert status[catcher] == "failed", f"{catcher} did not catch {name}"
+    assert 0 < result.score < result.max_score

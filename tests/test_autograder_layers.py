@@ -10,22 +10,15 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from import_graph import find_cycle, type_checking_lines
+
 PACKAGE = Path(__file__).resolve().parents[1] / "autograder"
-
-
-def _type_checking_lines(tree: ast.AST) -> set[int]:
-    lines: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.body:
-                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
-    return lines
 
 
 def runtime_imports(path: Path, package: str, modules: set[str]) -> set[str]:
     """The modules of ``package`` that ``path`` imports when it runs (``from pkg import mod`` counts as mod)."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    skip = _type_checking_lines(tree)
+    skip = type_checking_lines(tree)
     found: set[str] = set()
     for node in ast.walk(tree):
         if getattr(node, "lineno", None) in skip:
@@ -46,29 +39,6 @@ def import_graph(directory: Path) -> dict[str, set[str]]:
     files = {f"{package}.{p.stem}" if p.stem != "__init__" else package: p for p in directory.glob("*.py")}
     modules = set(files)
     return {m: (runtime_imports(p, package, modules) & modules) - {m} for m, p in sorted(files.items())}
-
-
-def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
-    """A cycle as a path that ends where it starts, or None."""
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def visit(m: str) -> list[str] | None:
-        state[m] = 1
-        path.append(m)
-        for t in sorted(edges.get(m, ())):
-            if state.get(t) == 1:
-                return path[path.index(t) :] + [t]
-            if t not in state and (cycle := visit(t)):
-                return cycle
-        path.pop()
-        state[m] = 2
-        return None
-
-    for m in sorted(edges):
-        if m not in state and (cycle := visit(m)):
-            return cycle
-    return None
 
 
 def reachable(edges: dict[str, set[str]], start: str) -> set[str]:

@@ -12,7 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from grading_utils import STUB, Batch
+from grading_utils import (
+    STUB,
+    Batch,
+    check_blank_lab_scores_zero,
+    check_planted_bug_is_caught,
+    check_solution_scores_full_marks,
+)
 from grading_utils import sub as _sub
 
 from autograder.sandbox import Limits
@@ -158,28 +164,16 @@ def batch(tmp_path_factory):
 
 
 def test_solution_scores_full_marks(batch):
-    result = batch["solution"]
-    failed = {t.id: t.output for t in result.tests if t.status != "passed"}
-    assert result.lab == 2 and result.max_score > 0 and not failed, failed
-    assert result.score == result.max_score
+    check_solution_scores_full_marks(batch, lab=2)
 
 
 def test_blank_lab_scores_zero(batch):
-    result = batch["blank"]
-    assert result.max_score == batch["solution"].max_score
-    assert result.score == 0
-    assert all("NotImplementedError" in t.output for t in result.tests), {
-        t.id: t.output for t in result.tests
-    }
+    check_blank_lab_scores_zero(batch)
 
 
 @pytest.mark.parametrize("name", sorted(PLANTED_BUGS))
 def test_planted_bug_loses_points_in_the_test_that_targets_it(batch, name):
-    result = batch[f"bug_{name}"]
-    catcher = PLANTED_BUGS[name][3]
-    status = {t.id: t.status for t in result.tests}
-    assert status[catcher] == "failed", f"{catcher} did not catch {name}"
-    assert 0 < result.score < result.max_score
+    check_planted_bug_is_caught(batch, PLANTED_BUGS, name)
 
 
 def test_feedback_names_the_mistake_without_the_answer(batch):

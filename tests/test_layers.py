@@ -11,6 +11,7 @@ import ast
 from pathlib import Path
 
 import pytest
+from import_graph import find_cycle, type_checking_lines
 
 PACKAGE = Path(__file__).resolve().parents[1] / "nanolab"
 
@@ -39,19 +40,10 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _type_checking_lines(tree: ast.AST) -> set[int]:
-    lines: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.body:
-                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
-    return lines
-
-
 def imports_of(path: Path, modules: set[str]) -> list[tuple[int, str, list[str]]]:
     """(line, imported module, names) of every runtime import of a nanolab module in the file."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    skip = _type_checking_lines(tree)
+    skip = type_checking_lines(tree)
     found = []
     for node in ast.walk(tree):
         if getattr(node, "lineno", None) in skip:
@@ -103,29 +95,6 @@ def test_no_module_imports_the_package_root_or_a_higher_layer(module):
         assert LAYERS.index(layer_of(target)) <= mine, (
             f"{module}:{line} imports {target}, a higher layer ({layer_of(target)} > {layer_of(module)})"
         )
-
-
-def find_cycle(edges: dict[str, list[str]]) -> list[str] | None:
-    """A cycle in the graph as a path that ends where it starts, or None."""
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def visit(m: str) -> list[str] | None:
-        state[m] = 1
-        path.append(m)
-        for t in edges.get(m, []):
-            if state.get(t) == 1:
-                return path[path.index(t) :] + [t]
-            if t not in state and (cycle := visit(t)):
-                return cycle
-        path.pop()
-        state[m] = 2
-        return None
-
-    for m in edges:
-        if m not in state and (cycle := visit(m)):
-            return cycle
-    return None
 
 
 def test_no_import_cycles():

@@ -8,18 +8,14 @@ the input; it never shows the expected output.
 
 from __future__ import annotations
 
-import functools
-import os
-import sysconfig
 import time
 from collections import Counter
-from collections.abc import Callable
 
 import pytest
 import regex
 import tiktoken
 
-from autograder.testing import RemoteError, expect
+from autograder.testing import expect, expect_value_error, stdlib_text
 from nanolab.text import bpe
 from nanolab.text.pretokenize import GPT2_PATTERN, GPT4_PATTERN
 from nanolab.text.tokenizer import Tokenizer as Reference
@@ -31,15 +27,9 @@ STDLIB_FILES = ("textwrap.py", "heapq.py", "bisect.py", "shlex.py", "fnmatch.py"
 # ---------------------------------------------------------------------------------------------- inputs
 
 
-@functools.cache
-def _stdlib_text() -> str:
-    root = sysconfig.get_paths()["stdlib"]
-    return "".join(open(os.path.join(root, name), encoding="utf-8").read() for name in STDLIB_FILES)
-
-
 def source_text(rng, n: int) -> str:
     """``n`` characters of Python source from a random place in a few stdlib modules."""
-    text = _stdlib_text()
+    text = stdlib_text(*STDLIB_FILES)
     start = rng.randrange(0, len(text) - n)
     return text[start : start + n]
 
@@ -101,19 +91,6 @@ def _short(value: object, limit: int = 120) -> str:
 
 
 MAX_TOKEN_BYTES = 1 << 16  # longer than any chunk of any text here; a longer token is refused unbuilt
-
-
-def expect_value_error(call: Callable[[], object], what: str) -> None:
-    """Fail with ``what``, and what happened instead, unless ``call()`` raises ValueError in the learner's code."""
-    try:
-        call()
-    except RemoteError as e:  # an exception of the learner's code
-        if "ValueError" in str(e):
-            return
-        happened = f"it raised {_short(str(e), 100)}"
-    else:
-        happened = "it raised nothing"
-    raise AssertionError(f"{what} ({happened})")
 
 
 def merges_of(tok, what: str = "tokenizer.merges") -> list[tuple[int, int]]:

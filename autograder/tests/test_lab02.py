@@ -11,17 +11,13 @@ attention. Feedback says what is wrong and on what shapes; it never shows the ex
 
 from __future__ import annotations
 
-import functools
 import math
-import os
-import sysconfig
-from collections.abc import Callable
 
 import pytest
 import torch
 
 import nanolab
-from autograder.testing import RemoteError, expect
+from autograder.testing import bundled_model, expect, expect_value_error, spread_out, stdlib_text
 from nanolab.model.attention import dense_causal_attention
 from nanolab.model.config import ModelConfig
 from nanolab.model.kv_cache import ContiguousKVCache as ReferenceCache
@@ -76,19 +72,6 @@ def _count(n: int, word: str, plural: str | None = None) -> str:
 
 def close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-4) -> bool:
     return bool(torch.allclose(got.double(), want.double(), atol=tol, rtol=tol))
-
-
-def expect_value_error(call: Callable[[], object], what: str) -> None:
-    """Fail with ``what``, and what happened instead, unless ``call()`` raises ValueError in the learner's code."""
-    try:
-        call()
-    except RemoteError as e:  # an exception of the learner's code
-        if "ValueError" in str(e):
-            return
-        happened = f"it raised {str(e)[:100]}"
-    else:
-        happened = "it raised nothing"
-    raise AssertionError(f"{what} ({happened})")
 
 
 def shape_of(lab, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, max_seq_len: int):
@@ -184,27 +167,6 @@ class SandboxedCache:
         shape = (q.shape[0], self.n_heads, self.head_dim)
         what = f"attend(layer={layer}, ...) with {q.shape[0]} new tokens"
         return as_tensor(out, what, shape).to(q.dtype)
-
-
-@functools.cache
-def _stdlib_text() -> str:
-    root = sysconfig.get_paths()["stdlib"]
-    return "".join(open(os.path.join(root, name), encoding="utf-8").read() for name in STDLIB_FILES)
-
-
-@functools.cache
-def bundled():
-    return nanolab.load_model(), nanolab.load_tokenizer()
-
-
-def spread_out(model: Transformer, seed: int) -> Transformer:
-    """Redraw a random model's weights larger than the training init, so that logits are spread out."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name and name.endswith("weight") else 0.15 * noise)
-    return model.eval()
 
 
 @pytest.fixture(autouse=True)
@@ -449,8 +411,8 @@ def _compare_in_model(
 @pytest.mark.points(2)
 def test_greedy_generation_with_your_cache_equals_the_reference(lab, rng):
     """Check that the bundled model generates nanolab.generate's greedy tokens with your cache, step by step."""
-    model, tokenizer = bundled()
-    text = _stdlib_text()
+    model, tokenizer = bundled_model()
+    text = stdlib_text(*STDLIB_FILES)
     for _ in range(2):
         start = rng.randrange(len(text) - 2000)
         prompt = tokenizer.encode(text[start : start + 2000])[: rng.randint(1, 60)]

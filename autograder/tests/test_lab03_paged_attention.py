@@ -10,10 +10,6 @@ read-only here. Feedback says what is wrong and on which input, never the expect
 
 from __future__ import annotations
 
-import functools
-import os
-import sysconfig
-
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
@@ -21,7 +17,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 import nanolab
-from autograder.testing import RemoteError, expect
+from autograder.testing import RemoteError, bundled_model, expect, spread_out, stdlib_text
 from nanolab.engine.engine import EngineStepError
 from nanolab.memory.paging import cdiv, slot_mapping
 from nanolab.model.attention import dense_causal_attention
@@ -85,27 +81,6 @@ def holders_of(tables: list[list[int]], num_blocks: int) -> list[int]:
         for b in table:
             counts[b] += 1
     return counts
-
-
-@functools.cache
-def _stdlib_text() -> str:
-    root = sysconfig.get_paths()["stdlib"]
-    return "".join(open(os.path.join(root, name), encoding="utf-8").read() for name in STDLIB_FILES)
-
-
-@functools.cache
-def bundled():
-    return nanolab.load_model(), nanolab.load_tokenizer()
-
-
-def spread_out(model: Transformer, seed: int) -> Transformer:
-    """Redraw a random model's weights larger than the training init, so that logits are spread out."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name and name.endswith("weight") else 0.15 * noise)
-    return model.eval()
 
 
 @pytest.fixture(autouse=True)
@@ -312,8 +287,8 @@ def _serve_with_the_learners_parts(lab, model, tokenizer, prompts, max_tokens, s
 @pytest.mark.points(2)
 def test_your_allocator_and_cache_serve_the_bundled_model_through_preemptions(lab, rng):
     """Check that the engine with your allocator and cache gives nanolab's greedy outputs, with a pool that forces preemptions."""
-    model, tokenizer = bundled()
-    text = _stdlib_text()
+    model, tokenizer = bundled_model()
+    text = stdlib_text(*STDLIB_FILES)
     prompts = []
     for _ in range(6):
         start = rng.randrange(len(text) - 400)
