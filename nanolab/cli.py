@@ -49,7 +49,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         llm = LLM.from_cli_args(args)
         if llm.tokenizer is None:
             print(
-                "error: this checkpoint has no nanolab tokenizer, so text prompts cannot be encoded",
+                "error: this checkpoint has no tokenizer (nanolab_tokenizer.json or tokenizer.json), "
+                "so text prompts cannot be encoded",
                 file=sys.stderr,
             )
             return 2

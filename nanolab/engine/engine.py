@@ -95,6 +95,8 @@ class Engine:
                 None if i in special else tokenizer.decode_bytes([i]) for i in range(tokenizer.vocab_size)
             ]
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None) if tokenizer else None
+        # A Hugging Face checkpoint may name more than one (Llama 3 ends a text and a chat turn differently)
+        self.more_eos_token_ids = frozenset(getattr(tokenizer, "eos_token_ids", ())) - {self.eos_token_id}
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -246,7 +248,7 @@ class Engine:
 
     def _stop_reason(self, r: Request, tok: int) -> FinishReason | None:
         p = r.sampling_params
-        if tok == self.eos_token_id and not p.ignore_eos:
+        if (tok == self.eos_token_id or tok in self.more_eos_token_ids) and not p.ignore_eos:
             return FinishReason.STOP
         if p.stop_token_ids and tok in p.stop_token_ids:
             return FinishReason.STOP

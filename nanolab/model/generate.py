@@ -75,6 +75,7 @@ def generate(
     stop_ids = set(params.stop_token_ids or [])
     if eos is not None and not params.ignore_eos:
         stop_ids.add(eos)
+        stop_ids.update(getattr(tokenizer, "eos_token_ids", ()))  # a Hugging Face checkpoint may name several
     budget = min(max_tokens, limit - len(prompt_ids))
     weight = model.tok_emb.weight
     device = weight.device

@@ -9,7 +9,8 @@ A Hugging Face checkpoint is a local directory written by ``save_pretrained`` (n
 GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM or MistralForCausalLM. Its tensors are renamed to
 ours, GPT-2's Conv1D weights (stored (in, out)) are transposed, and q/k/v and gate/up are concatenated
 into nanolab's fused projections; that conversion lives in `nanolab.model.hf`, whose `to_hf` goes the other way,
-for comparing against HF on the same weights.
+for comparing against HF on the same weights. Its ``tokenizer.json`` is read with the `tokenizers` library
+(`nanolab.text.hf_tokenizer`).
 
 Deliberately left out: quantised weights, RoPE scaling, sliding windows (a Mistral/Qwen2 window caps
 ``max_seq_len`` instead: below the window it changes nothing), downloading.
@@ -29,12 +30,15 @@ from nanolab.model.config import ModelConfig
 from nanolab.model.transformer import Transformer
 
 if TYPE_CHECKING:
+    from nanolab.text.hf_tokenizer import HFTokenizer
     from nanolab.text.tokenizer import Tokenizer
 
 ASSETS_DIR = Path(__file__).parents[1] / "assets"  # nanolab/assets
 DEFAULT_MODEL = "tinypy"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "nanolab_tokenizer.json"
+HF_TOKENIZER_FILE = "tokenizer.json"  # a Hugging Face checkpoint's tokenizer (the tokenizers library's file)
+GENERATION_CONFIG_FILE = "generation_config.json"
 FORMAT_KEY = "nanolab_format"  # present in (and only in) a nanolab checkpoint's config.json
 FORMAT_VERSION = 1
 
@@ -105,14 +109,40 @@ def load_model(path_or_name: str | Path | None = None, *, dtype: torch.dtype = t
     return Transformer.from_state_dict(config, state, source=source)
 
 
-def load_tokenizer(path_or_name: str | Path | None = None) -> Tokenizer | None:
-    """The checkpoint's ``nanolab_tokenizer.json`` as a `nanolab.text.tokenizer.Tokenizer`, or None if it has none."""
-    file = resolve_checkpoint(path_or_name) / TOKENIZER_FILE
-    if not file.exists():
-        return None
-    from nanolab.text.tokenizer import Tokenizer
+def load_tokenizer(path_or_name: str | Path | None = None) -> Tokenizer | HFTokenizer | None:
+    """The checkpoint's tokenizer, or None if it has none.
 
-    return Tokenizer.load(file)
+    ``nanolab_tokenizer.json`` gives a `nanolab.text.tokenizer.Tokenizer`; a Hugging Face checkpoint's
+    ``tokenizer.json`` gives a `nanolab.text.hf_tokenizer.HFTokenizer` (same interface), whose
+    end-of-sequence ids come from ``generation_config.json``, else ``config.json`` (``eos_token_id``: one
+    id or a list), else ``tokenizer_config.json``'s ``eos_token``, as in ``transformers``' ``generate``.
+    """
+    directory = resolve_checkpoint(path_or_name)
+    if (directory / TOKENIZER_FILE).exists():
+        from nanolab.text.tokenizer import Tokenizer
+
+        return Tokenizer.load(directory / TOKENIZER_FILE)
+    if (directory / HF_TOKENIZER_FILE).exists():
+        from nanolab.text.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer.from_dir(directory, eos_token_ids=_hf_eos_token_ids(directory))
+    return None
+
+
+def _hf_eos_token_ids(directory: Path) -> list[int] | None:
+    """``eos_token_id`` of the generation config, else of the model config (None when neither names one)."""
+    for name in (GENERATION_CONFIG_FILE, CONFIG_FILE):
+        file = directory / name
+        if not file.exists():
+            continue
+        value = read_json(file).get("eos_token_id")
+        if value is None or value == []:
+            continue
+        ids = value if isinstance(value, list) else [value]
+        if all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            return ids
+        raise ValueError(f"{file}: eos_token_id must be a token id or a list of them, got {value!r}")
+    return None
 
 
 def save_model(model: Transformer, path: str | Path, tokenizer: Tokenizer | None = None) -> Path:
