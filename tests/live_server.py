@@ -1,6 +1,6 @@
 """A live nanolab server for tests: uvicorn in a thread, on a free port of 127.0.0.1, always stopped.
 
-`serve(llm)` serves ``llm``'s model, tokenizer and engine settings (with an engine of
+`serve(llm)` serves ``llm``'s model, tokenizer, chat template and engine settings (with an engine of
 its own, not ``llm``'s), so a test can compare what the server answers with what ``llm`` gives offline.
 """
 
@@ -33,7 +33,7 @@ class Server:
 def serve(llm: LLM, model_name: str = "tiny", timeout: float = 30) -> Iterator[Server]:
     """A server over ``llm``'s parts, healthy before it is yielded and stopped after."""
     aengine = AsyncEngine(llm.model, llm.tokenizer, llm.engine.config)
-    app = build_app(aengine, model_name)
+    app = build_app(aengine, model_name, llm.chat_template)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))  # a free loopback port, held from here on: no race with other processes
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

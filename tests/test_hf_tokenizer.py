@@ -1,8 +1,9 @@
 """A Hugging Face checkpoint's tokenizer.json behind nanolab's tokenizer interface, held to transformers.
 
 The checkpoint is built offline: a byte-level BPE tokenizer trained with the `tokenizers` library on
-Python's own source, saved with ``transformers`` next to a tiny random Llama. Every expectation is
-what ``transformers`` gives on the same directory: its tokenizer's ids and text, its greedy ``generate``.
+Python's own source, saved with ``transformers`` next to a tiny random Llama (and a ChatML chat
+template). Every expectation is what ``transformers`` gives on the same directory: its tokenizer's
+ids and text, its greedy ``generate``, its ``apply_chat_template``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from nanolab import LLM, SamplingParams, load_tokenizer  # noqa: E402
 from nanolab.text.hf_tokenizer import HFTokenizer, unicode_to_bytes  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2: the trainer puts them first
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 PROMPTS = ["def main():\n", "import os", "class Parser(object):", "    return self.", "x = {'naïve': 1}  # é"]
 TEXTS = [
     *PROMPTS,
@@ -56,10 +61,11 @@ def train_byte_level_bpe(vocab_size: int = 320):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    """A Hugging Face checkpoint directory: tiny Llama + trained tokenizer, EOS id 0."""
+    """A Hugging Face checkpoint directory: tiny Llama + trained tokenizer + ChatML template, EOS id 0."""
     path = tmp_path_factory.mktemp("hf") / "tiny"
     tok = train_byte_level_bpe()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.chat_template = CHATML
     fast.save_pretrained(path)
     model = tiny_hf_model(
         "llama", vocab_size=tok.get_vocab_size(), max_position_embeddings=128, eos_token_id=0
@@ -164,7 +170,7 @@ def test_eos_comes_from_generation_config_then_config_then_tokenizer_config(chec
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 1]}))
     tok = load_tokenizer(d)
     assert (tok.eos_token_ids, tok.eos_token_id) == ((2, 1), 2)
-    assert tok.eos_token == "<|endoftext|>"  # the tokenizer's own end-of-text token
+    assert tok.eos_token == "<|endoftext|>"  # the tokenizer's own, as a chat template writes it
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": "end"}))
     with pytest.raises(ValueError, match="generation_config.json: eos_token_id must be"):
         load_tokenizer(d)
@@ -227,10 +233,24 @@ def test_every_eos_of_the_generation_config_stops_as_in_transformers(checkpoint,
     assert out.outputs[0].finish_reason == "stop"
 
 
+def test_chat_renders_and_generates_as_transformers(llm, hf_tok, hf_model) -> None:
+    conversation = [
+        {"role": "system", "content": "You write Python."},
+        {"role": "user", "content": "Parse a JSON file."},
+    ]
+    text = hf_tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    ids = hf_tok(text, add_special_tokens=False)["input_ids"]
+    out = llm.chat(conversation, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)[0]
+    assert out.prompt == text and out.prompt_token_ids == ids
+    expected = hf_greedy(hf_model, ids, 16)
+    assert out.outputs[0].token_ids == expected
+    assert same_text(out.outputs[0].text, hf_tok.decode(expected, skip_special_tokens=True))
+
+
 # ---- through the server -------------------------------------------------------------------------
 
 
-def test_the_server_answers_text_prompts_as_transformers(llm, hf_tok, hf_model) -> None:
+def test_the_server_answers_text_prompts_and_chat_as_transformers(llm, hf_tok, hf_model) -> None:
     with serve(llm) as server:
         for prompt in PROMPTS[:2]:
             expected = hf_greedy(hf_model, hf_tok(prompt)["input_ids"], 12)
@@ -240,3 +260,10 @@ def test_the_server_answers_text_prompts_as_transformers(llm, hf_tok, hf_model) 
                 model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True
             )
             assert "".join(c.choices[0].text for c in stream) == got.choices[0].text
+        messages = [{"role": "user", "content": "Sort a list."}]
+        text = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        expected = hf_greedy(hf_model, hf_tok(text, add_special_tokens=False)["input_ids"], 12)
+        reply = server.client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=12, temperature=0
+        )
+        assert same_text(reply.choices[0].message.content, hf_tok.decode(expected, skip_special_tokens=True))

@@ -4,5 +4,6 @@
 its outputs), `prompt` (a prompt normalised, tokenized and checked, once), `batching` (static and continuous
 batching simulated on a clock of steps), `scheduler` (token budget,
 seats, policies, chunked prefill, preemption), `engine` (the continuous-batching step loop and what it
-publishes to observers), `llm` (`LLM`: offline generation in vLLM's shape).
+publishes to observers), `chat` (a conversation rendered and tokenized: the prompt of `LLM.chat` and of
+the server's chat endpoint), `llm` (`LLM`: offline generation in vLLM's shape).
 """

@@ -4,6 +4,7 @@ from nanolab import LLM, SamplingParams
 llm = LLM()                                   # the bundled model
 outs = llm.generate(["def fibonacci(n):", "import os"], SamplingParams(max_tokens=32, temperature=0))
 print(outs[0].outputs[0].text)
+reply = llm.chat([{"role": "user", "content": "Sort a list"}], SamplingParams(max_tokens=32, temperature=0))
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from nanolab.engine.chat import as_conversations, chat_prompt
 from nanolab.engine.config import EngineConfig
 from nanolab.engine.engine import Engine
 from nanolab.engine.prompt import Prompt
 from nanolab.engine.request import RequestOutput
 from nanolab.engine.stats import EngineStats, StepListener
 from nanolab.model.sampling import SamplingParams
+from nanolab.text.chat_template import ChatTemplate
 
 
 class LLM:
@@ -30,6 +33,7 @@ class LLM:
     `BlockAllocatorProtocol`, `PrefixCacheProtocol` or `SchedulerProtocol`: a learner's own component
     plugs in here. ``listeners`` are called with each step's `StepRecord`. Engine settings are given as keywords (``max_num_seqs=8``, ``block_size=4``: the
     fields of `EngineConfig`, checked by name) or as one ``config=EngineConfig(...)``.
+    ``chat_template`` (Jinja source or a `ChatTemplate`) replaces the checkpoint's own, for `chat`.
     """
 
     def __init__(
@@ -42,9 +46,10 @@ class LLM:
         scheduler: Any = None,
         config: EngineConfig | None = None,
         listeners: Sequence[StepListener] = (),
+        chat_template: str | ChatTemplate | None = None,
         **settings: Any,
     ) -> None:
-        from nanolab.model.loading import load_model, load_tokenizer
+        from nanolab.model.loading import load_chat_template, load_model, load_tokenizer
         from nanolab.model.transformer import Transformer
 
         if config is not None and settings:
@@ -56,7 +61,10 @@ class LLM:
             self.model = load_model(model)
             if tokenizer is None:
                 tokenizer = load_tokenizer(model)
+            if chat_template is None:
+                chat_template = load_chat_template(model, tokenizer)
         self.tokenizer = tokenizer
+        self.chat_template = self._as_template(chat_template)
         self.engine = Engine(
             self.model, tokenizer, config, block_allocator, prefix_cache, scheduler, listeners=listeners
         )
@@ -84,9 +92,39 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished `RequestOutput` per prompt, in input order."""
+        return self._run_to_end(self._add_all(prompts, sampling_params, priority), use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Any],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | ChatTemplate | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Reply to a conversation, or to each of a list of conversations (vLLM's ``LLM.chat``).
+
+        A conversation is a list of messages such as ``{"role": "user", "content": "Hello"}``. Each is
+        rendered with the chat template (the checkpoint's, or ``chat_template``), tokenized and generated
+        like a prompt: ``outputs[0].text`` is the assistant's reply, ``prompt`` the rendered conversation.
+        Raises `ValueError` when the model has no chat template or a conversation is malformed.
+        """
+        template = self._as_template(chat_template) if chat_template is not None else self.chat_template
+        kwargs = chat_template_kwargs or {}
+        chats = [
+            chat_prompt(template, self.tokenizer, c, add_generation_prompt, **kwargs)
+            for c in as_conversations(messages)
+        ]
+        requests = self.engine.add_requests([c.token_ids for c in chats], sampling_params)
+        for request, c in zip(requests, chats):
+            request.prompt = c.text  # given to the engine as token ids; the output shows the text
+        return self._run_to_end([r.request_id for r in requests], use_tqdm)
+
+    def _run_to_end(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
-        ids = self._add_all(prompts, sampling_params, priority)
         done: dict[str, RequestOutput] = {}
         wanted = set(ids)
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
@@ -96,6 +134,14 @@ class LLM:
                         done[out.request_id] = out
                         bar.update(1)
         return [done[i] for i in ids]
+
+    def _as_template(self, template: str | ChatTemplate | None) -> ChatTemplate | None:
+        if template is None or isinstance(template, ChatTemplate):
+            return template
+        eos = getattr(self.tokenizer, "eos_token", None)
+        bos = getattr(self.tokenizer, "bos_token", None)
+        special = {k: v for k, v in (("bos_token", bos), ("eos_token", eos)) if v is not None}
+        return ChatTemplate(template, special)
 
     def stream(
         self,

@@ -2,7 +2,8 @@
 
 A nanolab checkpoint is a directory with ``config.json`` (the `ModelConfig` fields plus a
 ``"nanolab_format"`` marker), ``model.safetensors`` (the `Transformer` state dict; ``lm_head.weight`` is
-left out when tied) and optionally ``nanolab_tokenizer.json``. The bundled model lives in
+left out when tied) and optionally ``nanolab_tokenizer.json`` and a chat template
+(``chat_template.jinja``). The bundled model lives in
 ``nanolab/assets/<name>/``; a bare name such as ``"tinypy"`` means that directory.
 
 A Hugging Face checkpoint is a local directory written by ``save_pretrained`` (nothing is downloaded):
@@ -10,7 +11,7 @@ GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM or MistralForCausalLM. Its t
 ours, GPT-2's Conv1D weights (stored (in, out)) are transposed, and q/k/v and gate/up are concatenated
 into nanolab's fused projections; that conversion lives in `nanolab.model.hf`, whose `to_hf` goes the other way,
 for comparing against HF on the same weights. Its ``tokenizer.json`` is read with the `tokenizers` library
-(`nanolab.text.hf_tokenizer`).
+(`nanolab.text.hf_tokenizer`), its chat template from ``chat_template.jinja`` or ``tokenizer_config.json``.
 
 Deliberately left out: quantised weights, RoPE scaling, sliding windows (a Mistral/Qwen2 window caps
 ``max_seq_len`` instead: below the window it changes nothing), downloading.
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
@@ -30,6 +31,7 @@ from nanolab.model.config import ModelConfig
 from nanolab.model.transformer import Transformer
 
 if TYPE_CHECKING:
+    from nanolab.text.chat_template import ChatTemplate
     from nanolab.text.hf_tokenizer import HFTokenizer
     from nanolab.text.tokenizer import Tokenizer
 
@@ -39,6 +41,8 @@ WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "nanolab_tokenizer.json"
 HF_TOKENIZER_FILE = "tokenizer.json"  # a Hugging Face checkpoint's tokenizer (the tokenizers library's file)
 GENERATION_CONFIG_FILE = "generation_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+_TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")  # what a chat template may refer to
 FORMAT_KEY = "nanolab_format"  # present in (and only in) a nanolab checkpoint's config.json
 FORMAT_VERSION = 1
 
@@ -143,6 +147,35 @@ def _hf_eos_token_ids(directory: Path) -> list[int] | None:
             return ids
         raise ValueError(f"{file}: eos_token_id must be a token id or a list of them, got {value!r}")
     return None
+
+
+def load_chat_template(path_or_name: str | Path | None = None, tokenizer: Any = None) -> ChatTemplate | None:
+    """The checkpoint's chat template (``chat_template.jinja``, else ``tokenizer_config.json``'s
+    ``"chat_template"``), or None if it has none.
+
+    The template sees the special tokens that ``tokenizer_config.json`` names (``bos_token``,
+    ``eos_token``, ...); where it names no ``eos_token``, the tokenizer's (``tokenizer``, if given).
+    """
+    from nanolab.text.chat_template import ChatTemplate
+    from nanolab.text.hf_tokenizer import read_tokenizer_config, token_text
+
+    directory = resolve_checkpoint(path_or_name)
+    config = read_tokenizer_config(directory)
+    file = directory / CHAT_TEMPLATE_FILE
+    source: Any = file.read_text(encoding="utf-8") if file.exists() else config.get("chat_template")
+    if isinstance(source, list):  # several named templates: [{"name": "default", "template": "..."}, ...]
+        source = next(
+            (t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None
+        )
+    if not source:
+        return None
+    special = {k: text for k in _TEMPLATE_TOKENS if (text := token_text(config.get(k))) is not None}
+    if "eos_token" not in special and getattr(tokenizer, "eos_token", None):
+        special["eos_token"] = tokenizer.eos_token
+    try:
+        return ChatTemplate(source, special)
+    except ValueError as exc:
+        raise ValueError(f"{file if file.exists() else directory / 'tokenizer_config.json'}: {exc}") from None
 
 
 def save_model(model: Transformer, path: str | Path, tokenizer: Tokenizer | None = None) -> Path:

@@ -1,6 +1,6 @@
 """Serving: the engine behind an OpenAI-compatible HTTP API (Lab 8, planned).
 
 `async_engine` (one engine thread, many asyncio connections), `openai_protocol` (request bodies to
-sampling parameters and outputs to response bodies), `metrics` (Prometheus counters fed by the engine's
+sampling parameters and outputs to response bodies), `chat_protocol` (the same for chat completions), `metrics` (Prometheus counters fed by the engine's
 step records), `server` (the FastAPI app and `nanolab serve`).
 """

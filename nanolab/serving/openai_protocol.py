@@ -83,6 +83,15 @@ def parse_prompts(prompt: Any) -> list[Prompt]:
 
 def parse_completion_request(body: Any, model_name: str) -> CompletionRequest:
     """Validate a JSON body; raises `InvalidRequest` naming the first problem found."""
+    check_body_and_model(body, model_name)
+    prompts = parse_prompts(body.get("prompt"))
+    params = parse_sampling_params(body, _UNSUPPORTED)
+    stream, include_usage = parse_stream(body)
+    return CompletionRequest(prompts, params, model_name, stream, include_usage, parse_priority(body))
+
+
+def check_body_and_model(body: Any, model_name: str) -> None:
+    """The body is a JSON object and names this server's model (or none)."""
     if not isinstance(body, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     model = body.get("model")
@@ -92,20 +101,30 @@ def parse_completion_request(body: Any, model_name: str) -> CompletionRequest:
             "model",
             "model_not_found",
         )
-    prompts = parse_prompts(body.get("prompt"))
-    for name, neutral in _UNSUPPORTED.items():
+
+
+def parse_sampling_params(
+    body: dict[str, Any], unsupported: dict[str, Any], defaults: dict[str, Any] | None = None
+) -> SamplingParams:
+    """The body's sampling fields as `SamplingParams`; a field of ``unsupported`` set to a value other
+    than its neutral one is refused. ``defaults`` fill fields the body leaves out."""
+    for name, neutral in unsupported.items():
         if body.get(name, neutral) not in (neutral, None):
             raise InvalidRequest(f"{name}={body[name]!r} is not supported by nanolab; leave it out", name)
-    kw = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
+    kw = {**(defaults or {}), **{k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}}
     if kw.get("top_k") in (0, -1):
         kw["top_k"] = None  # vLLM's API spells "no limit" -1 (and 0); the Python API says None
     ignore_eos = body.get("ignore_eos", False)
     try:
-        params = SamplingParams(**kw, ignore_eos=ignore_eos)
+        return SamplingParams(**kw, ignore_eos=ignore_eos)
     except (ValueError, TypeError) as exc:
         msg = str(exc)
         param = next((f for f in (*_SAMPLING_FIELDS, "ignore_eos") if msg.startswith(f)), None)
         raise InvalidRequest(msg, param) from None
+
+
+def parse_stream(body: dict[str, Any]) -> tuple[bool, bool]:
+    """``stream`` and ``stream_options.include_usage``."""
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise InvalidRequest(f"stream must be true or false, got {stream!r}", "stream")
@@ -116,12 +135,14 @@ def parse_completion_request(body: Any, model_name: str) -> CompletionRequest:
         )
     if options and not stream:
         raise InvalidRequest("stream_options is only allowed with stream=true", "stream_options")
+    return stream, bool(options.get("include_usage"))
+
+
+def parse_priority(body: dict[str, Any]) -> int:
     priority = body.get("priority") or 0
     if not _is_int(priority):
         raise InvalidRequest(f"priority must be an integer (lower = sooner), got {priority!r}", "priority")
-    return CompletionRequest(
-        prompts, params, model_name, stream, bool(options.get("include_usage")), priority
-    )
+    return priority
 
 
 def new_completion_id() -> str:

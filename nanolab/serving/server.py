@@ -4,16 +4,17 @@
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
 
-Endpoints: ``POST /v1/completions`` (see `nanolab.serving.openai_protocol`), ``GET /v1/models``,
-``GET /health`` and ``GET /metrics`` (Prometheus text, see `nanolab.serving.metrics`).
+Endpoints: ``POST /v1/completions`` (see `nanolab.serving.openai_protocol`), ``POST /v1/chat/completions``
+(see `nanolab.serving.chat_protocol`; the messages are rendered with the model's chat template, and a
+model without one answers 400), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus
+text, see `nanolab.serving.metrics`).
 
 Every connection's requests go to one engine run by one background thread (`nanolab.serving.async_engine`),
 so concurrent clients share continuous batches. A client that disconnects has its requests aborted and
 their KV blocks freed: a stream notices when its generator is cancelled, a plain request by polling
 ``request.is_disconnected()`` while it waits.
 
-Deliberately left out: chat completions (the bundled model is a plain language model), authentication,
-TLS, request timeouts, rate limits. Listen on 127.0.0.1 (the default) unless a proxy guards the port.
+Deliberately left out: authentication, TLS, request timeouts, rate limits. Listen on 127.0.0.1 (the default) unless a proxy guards the port.
 """
 
 from __future__ import annotations
@@ -26,15 +27,19 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nanolab.engine.chat import NoChatTemplate, chat_prompt
 from nanolab.engine.request import RequestOutput
+from nanolab.serving import chat_protocol as chat
 from nanolab.serving import openai_protocol as oa
 from nanolab.serving.async_engine import AsyncEngine, EngineNotRunning, EngineStepError, RequestGroup
+from nanolab.text.chat_template import ChatTemplate
 
 log = logging.getLogger("nanolab.server")
 
@@ -49,8 +54,11 @@ def error_response(status: int, message: str, type: str = "invalid_request_error
     return JSONResponse(oa.error_body(message, type, param, code), status_code=status)
 
 
-def build_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
+def build_app(aengine: AsyncEngine, model_name: str, chat_template: ChatTemplate | None = None) -> FastAPI:
     """The FastAPI app serving ``aengine``'s model under the name ``model_name``.
+
+    ``chat_template`` renders the messages of chat requests (see `nanolab.model.loading.load_chat_template`);
+    without one, chat requests get a 400 that says so.
 
     The engine thread starts and stops with the app (its lifespan). ``app.state.async_engine`` and
     ``app.state.metrics`` give tests and embedders access to both.
@@ -132,6 +140,55 @@ def build_app(aengine: AsyncEngine, model_name: str) -> FastAPI:
         n_out = sum(len(o.outputs[0].token_ids) for o in finals)
         return oa.completion_body(cid, model_name, oa.now(), choices, oa.usage(n_prompt, n_out))
 
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            metrics.requests.inc(status="rejected")
+            return error_response(400, f"the request body is not valid JSON: {exc}", code="invalid_json")
+        try:
+            req = chat.parse_chat_request(body, model_name)
+            prompt = chat_prompt(
+                chat_template,
+                engine.tokenizer,
+                req.messages,
+                req.add_generation_prompt,
+                **req.template_kwargs,
+            )
+            params = req.params
+            if not req.max_tokens_given:  # as many as fit (at least 1, so a too-long prompt is named)
+                room = engine.config.max_model_len - len(prompt.token_ids)
+                params = replace(params, max_tokens=max(1, room))
+            cid = chat.new_chat_id()
+            group = await aengine.add(cid, [prompt.token_ids], [params], req.priority)
+        except oa.InvalidRequest as exc:
+            metrics.requests.inc(status="rejected")
+            return error_response(400, exc.message, param=exc.param, code=exc.code)
+        except NoChatTemplate as exc:
+            metrics.requests.inc(status="rejected")
+            return error_response(400, f"{model_name!r}: {exc}", code="no_chat_template")
+        except ValueError as exc:  # the template refused the messages, or the engine the prompt
+            metrics.requests.inc(status="rejected")
+            return error_response(400, str(exc), param="messages")
+        except EngineNotRunning as exc:
+            return error_response(503, f"{exc}; try again later", "server_error")
+        if req.stream:
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(
+                _stream_chat(aengine, group, req), media_type="text/event-stream", headers=headers
+            )
+        try:
+            (final,) = await _collect(aengine, group, request)
+        except EngineStepError as exc:
+            return error_response(500, str(exc), "server_error")
+        except ClientGone:
+            return error_response(499, "the client closed the connection")
+        c = final.outputs[0]
+        choices = [chat.message_choice(0, c.text or "", c.finish_reason)]
+        usage = oa.usage(len(final.prompt_token_ids), len(c.token_ids))
+        return chat.chat_body(cid, model_name, oa.now(), choices, usage)
+
     return app
 
 
@@ -212,23 +269,75 @@ async def _stream(aengine: AsyncEngine, group: RequestGroup, req: oa.CompletionR
             aengine.abort(group.request_ids)
 
 
+async def _stream_chat(
+    aengine: AsyncEngine, group: RequestGroup, req: chat.ChatRequest
+) -> AsyncIterator[str]:
+    """Server-sent events for a streamed chat completion: the role, the content, the finish reason."""
+    cid, created, model = group.group_id, oa.now(), req.model
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        body = chat.chat_body(cid, model, created, choices, usage, chunk=True)
+        if req.include_usage and usage is None:
+            body["usage"] = None  # as OpenAI: null on every chunk, the totals in a last one
+        return oa.sse(body)
+
+    finished = False
+    try:
+        yield chunk([chat.delta_choice(0, {"role": "assistant", "content": ""})])
+        while not finished:
+            items = [await group.queue.get()]
+            while not group.queue.empty():
+                items.append(group.queue.get_nowait())
+            events = []
+            for _, item in items:
+                if isinstance(item, EngineStepError):
+                    events.append(oa.sse(oa.error_body(str(item), "server_error")))
+                    finished = True
+                    break
+                c = item.outputs[0]
+                if c.delta_text:
+                    events.append(chunk([chat.delta_choice(0, {"content": c.delta_text})]))
+                if item.finished:
+                    finished = True
+                    events.append(chunk([chat.delta_choice(0, {}, c.finish_reason)]))
+                    if req.include_usage:
+                        events.append(chunk([], oa.usage(len(item.prompt_token_ids), len(c.token_ids))))
+            if events:
+                yield "".join(events)
+        yield oa.sse("[DONE]")
+    finally:
+        if not finished:  # the client left (the generator was cancelled or closed)
+            aengine.abort(group.request_ids)
+
+
 def run_server(args: argparse.Namespace) -> int:
     """`nanolab serve`: load the model, build the app and run uvicorn until interrupted."""
     import uvicorn
 
     from nanolab.engine.config import EngineConfig
-    from nanolab.model.loading import load_model, load_tokenizer, resolve_checkpoint
+    from nanolab.model.loading import load_chat_template, load_model, load_tokenizer, resolve_checkpoint
 
     try:
         config = EngineConfig.from_cli_args(args)
-        aengine = AsyncEngine(load_model(args.model), load_tokenizer(args.model), config)
+        tokenizer = load_tokenizer(args.model)
+        template = load_chat_template(args.model, tokenizer)
+        aengine = AsyncEngine(load_model(args.model), tokenizer, config)
         name = args.served_model_name or resolve_checkpoint(args.model).name
     except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if aengine.engine.tokenizer is None:
-        print("warning: this checkpoint has no nanolab tokenizer: send prompts as token ids", file=sys.stderr)
-    app = build_app(aengine, name)
+    if tokenizer is None:
+        print(
+            "warning: this checkpoint has no tokenizer (nanolab_tokenizer.json or tokenizer.json): "
+            "send prompts as token ids",
+            file=sys.stderr,
+        )
+    if template is None:
+        print(
+            "note: this checkpoint has no chat template: /v1/chat/completions will answer 400",
+            file=sys.stderr,
+        )
+    app = build_app(aengine, name, template)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

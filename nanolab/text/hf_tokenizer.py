@@ -3,7 +3,7 @@
 A checkpoint written by ``save_pretrained`` keeps its tokenizer in ``tokenizer.json``: the `tokenizers`
 library's one-file format (normalizer, pre-tokenizer, BPE/Unigram/WordPiece model, post-processor that
 may add a BOS token, decoder, added tokens). ``tokenizer_config.json`` says which added token is BOS or
-EOS. `HFTokenizer` loads both with
+EOS, and may hold the chat template (see `nanolab.text.chat_template`). `HFTokenizer` loads both with
 `tokenizers` and answers what the engine asks of any tokenizer: ``encode(text, allowed_special)``,
 ``decode``, ``decode_bytes``, ``special_tokens``, ``eos_token_id`` and ``vocab_size``.
 

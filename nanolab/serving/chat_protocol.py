@@ -1,0 +1,137 @@
+"""OpenAI's chat completions API on the wire: request bodies in, response bodies and stream chunks out.
+
+Request (``POST /v1/chat/completions``, JSON): ``messages`` (a list of ``{"role", "content"}``; content
+a string or a list of text parts), ``model``, ``max_tokens`` or its newer name ``max_completion_tokens``
+(default: as many as ``max_model_len`` leaves after the prompt, as vLLM does), ``temperature``,
+``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``; vLLM's extras ``top_k``,
+``min_p``, ``stop_token_ids``, ``ignore_eos``, ``priority``, ``add_generation_prompt`` (default true)
+and ``chat_template_kwargs`` (more variables for the template). Unknown fields are ignored; fields
+nanolab cannot honour (``n > 1``, ``logprobs``, penalties, ``logit_bias``, ``tools``) are refused.
+The messages are rendered with the model's chat template (`nanolab.engine.chat`).
+
+Response: ``{"id": "chatcmpl-...", "object": "chat.completion", "created", "model", "choices":
+[{"index": 0, "message": {"role": "assistant", "content"}, "logprobs": null, "finish_reason"}],
+"usage": {...}}``. Streamed, as server-sent events of ``"object": "chat.completion.chunk"``: the first
+chunk's ``delta`` is ``{"role": "assistant", "content": ""}``, each next one's ``{"content": <new text>}``,
+then a chunk with an empty ``delta`` and the ``finish_reason``; with ``include_usage``, a last chunk
+with no choices carries the usage (``"usage": null`` on the others); ``data: [DONE]`` ends the stream.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from nanolab.model.sampling import SamplingParams
+from nanolab.serving.openai_protocol import (
+    InvalidRequest,
+    check_body_and_model,
+    parse_priority,
+    parse_sampling_params,
+    parse_stream,
+)
+from nanolab.text.chat_template import ChatTemplateError, Message, normalize_messages
+
+# Fields nanolab does not implement, with the value that means "not used".
+_UNSUPPORTED = {
+    "n": 1,
+    "logprobs": False,
+    "top_logprobs": None,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "logit_bias": None,
+    "tools": None,
+}
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A parsed, validated chat completions request (its messages not yet rendered)."""
+
+    messages: list[Message]
+    params: SamplingParams  # max_tokens is a placeholder when ``max_tokens_given`` is false
+    max_tokens_given: bool
+    model: str
+    stream: bool = False
+    include_usage: bool = False
+    priority: int = 0
+    add_generation_prompt: bool = True
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_chat_request(body: Any, model_name: str) -> ChatRequest:
+    """Validate a JSON body; raises `InvalidRequest` naming the first problem found."""
+    check_body_and_model(body, model_name)
+    if body.get("messages") is None:
+        raise InvalidRequest(
+            'the request has no messages: give "messages": [{"role": "user", "content": "..."}]', "messages"
+        )
+    try:
+        messages = normalize_messages(body["messages"])
+    except ChatTemplateError as exc:
+        raise InvalidRequest(str(exc), "messages") from None
+    fields = dict(body)
+    if body.get("max_completion_tokens") is not None:
+        fields["max_tokens"] = body["max_completion_tokens"]
+    given = fields.get("max_tokens") is not None
+    params = parse_sampling_params(fields, _UNSUPPORTED, defaults={"max_tokens": 1})
+    stream, include_usage = parse_stream(body)
+    add_generation_prompt = body.get("add_generation_prompt", True)
+    if not isinstance(add_generation_prompt, bool):
+        raise InvalidRequest(
+            f"add_generation_prompt must be true or false, got {add_generation_prompt!r}",
+            "add_generation_prompt",
+        )
+    template_kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(template_kwargs, dict):
+        raise InvalidRequest(
+            'chat_template_kwargs must be an object such as {"enable_thinking": false}',
+            "chat_template_kwargs",
+        )
+    return ChatRequest(
+        messages,
+        params,
+        given,
+        model_name,
+        stream,
+        include_usage,
+        parse_priority(body),
+        add_generation_prompt,
+        template_kwargs,
+    )
+
+
+def new_chat_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def message_choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": None,
+        "finish_reason": finish_reason,
+    }
+
+
+def delta_choice(index: int, delta: dict[str, str], finish_reason: str | None = None) -> dict[str, Any]:
+    """A stream chunk's choice: ``delta`` is ``{"role": ...}`` first, then ``{"content": ...}``, then ``{}``."""
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+def chat_body(
+    cid: str,
+    model: str,
+    created: int,
+    choices: list[dict[str, Any]],
+    usage: dict[str, int] | None,
+    *,
+    chunk: bool = False,
+) -> dict[str, Any]:
+    """A response body, or (``chunk=True``) one stream chunk."""
+    kind = "chat.completion.chunk" if chunk else "chat.completion"
+    body = {"id": cid, "object": kind, "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body
