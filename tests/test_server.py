@@ -412,6 +412,7 @@ BAD = {
     "empty prompt list": ({"prompt": []}, "prompt", "empty"),
     "empty token list": ({"prompt": [[]]}, "prompt", "empty"),
     "prompt of the wrong type": ({"prompt": 42}, "prompt", "must be a string"),
+    "prompts mixing text and token ids": ({"prompt": [[1, 2], "a"]}, "prompt", "mix text and token ids"),
     "negative max_tokens": ({"prompt": "a", "max_tokens": -3}, "max_tokens", "max_tokens must be"),
     "max_tokens not an integer": ({"prompt": "a", "max_tokens": "7"}, "max_tokens", "max_tokens must be"),
     "negative temperature": ({"prompt": "a", "temperature": -0.5}, "temperature", "temperature must be"),
