@@ -758,13 +758,17 @@ def test_sampled_tokens_follow_the_filtered_distribution(lab, rng):
     """Check that sample draws only kept tokens, with the probabilities of softmax(filter_logits) (chi-square test)."""
     g = tensors(rng)
     draws = 3000
-    for _ in range(2):
+    for case in range(3):
         V = rng.randint(5, 12)
-        logits = 1.5 * torch.randn(1, V, generator=g)
-        base = SamplingParams(
-            temperature=round(rng.uniform(0.6, 1.6), 2), top_k=rng.choice([None, V - 1, V - 2])
-        )
-        params = _with_safe_top_p(rng, logits[0], base) if rng.random() < 0.7 else base
+        if case == 0:  # no filter, logits spread evenly: far from uniform on every seed
+            logits = torch.linspace(-2.0, 2.0, V)[torch.randperm(V, generator=g)][None]
+            params = SamplingParams(temperature=1.0, top_k=None, top_p=1.0)
+        else:
+            logits = 1.5 * torch.randn(1, V, generator=g)
+            base = SamplingParams(
+                temperature=round(rng.uniform(0.6, 1.6), 2), top_k=rng.choice([None, V - 1, V - 2])
+            )
+            params = _with_safe_top_p(rng, logits[0], base) if rng.random() < 0.7 else base
         probs = filter_logits(logits, [params]).softmax(-1)[0].double()
         learner_params = _learner_params(lab, [params])
         got = lab.sample(logits.expand(draws, V).contiguous(), learner_params * draws, [None] * draws)
