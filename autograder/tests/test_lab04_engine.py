@@ -8,7 +8,8 @@ copy in the sandbox, nanolab's here): one call runs a whole workload and brings 
 decisions as plain data. A notebook's setup cell can be edited, so its ``replay_schedule`` is not
 trusted: after every replay the learner's Scheduler object itself is read back through its handle
 (step count, preemptions, each live request's state, the free blocks) and compared with nanolab's
-after the same events, and one test drives the Scheduler through its handle alone. In the engine, the
+after the same events or, where the learner's decisions may differ from nanolab's, with the state its
+own records imply; and one test drives the Scheduler through its handle alone. In the engine, the
 models run here: a grader-side scheduler plays back the learner's recorded decisions (the engine's
 requests get exactly the tokens, preemptions and block tables the learner's scheduler chose), and the
 greedy outputs are compared with nanolab's. Feedback says what is wrong and on which input, never the
@@ -331,6 +332,31 @@ def check_state(scheduler, allocator, reference: Scheduler, label: str) -> None:
     )
 
 
+def check_driven(scheduler, allocator, events: list[tuple], records: list, cfg: dict, label: str) -> None:
+    """The learner's Scheduler object counted the steps and the preemptions its records report, and, if
+    the records finish every request, holds none and no block: what replay_schedule reported must be what
+    this scheduler did (whatever it decided)."""
+    where = f"{label}: after the workload, your Scheduler's own"
+    steps = [r for e, r in zip(events, records) if e[0] == "step"]
+    assert scheduler.step_count == len(steps), f"{where} step_count is not the number of schedule() calls"
+    preempted = sum(len(r[2]) for r in steps if r[0] == "step" and len(r) == 4 and isinstance(r[2], list))
+    assert scheduler.num_preemptions == preempted, (
+        f"{where} num_preemptions is not the number of preemptions its steps reported"
+    )
+    timeline = Timeline(cfg)
+    if timeline.play(events, records) is None and not timeline.live:
+        queues = expect(scheduler.running, list, "Scheduler.running") + expect(
+            scheduler.waiting, list, "Scheduler.waiting"
+        )
+        assert not queues, (
+            f"{where} running or waiting list still holds requests, though all of them finished"
+        )
+        assert allocator.num_free == cfg["num_blocks"], (
+            f"{label}: every request finished, yet some blocks are not free: finish, abort and preemption give a "
+            "request's blocks back"
+        )
+
+
 # ---------------------------------------------------------------------------------------------- against the reference
 
 
@@ -347,87 +373,99 @@ def test_scheduler_matches_the_reference_event_by_event_on_random_workloads(lab,
         check_state(scheduler, allocator, reference, label)
 
 
-def _invariant_problem(
-    records: list, events: list[tuple], cfg: dict, held: list[int]
-) -> tuple[int, str] | None:
-    """The first event at which the learner's own decisions break a rule every correct scheduler keeps;
-    (len(events), "unfinished") if they keep them all but some requests never finish. ``held`` gets the
-    number of blocks in the tables of the requests still running at the end."""
-    bs, nb = cfg["block_size"], cfg["num_blocks"]
-    budget, seats = cfg["max_num_batched_tokens"], cfg["max_num_seqs"]
-    live: dict[str, dict] = {}
-    running: set[str] = set()  # running after the previous step (and its finishes)
-    for i, (event, record) in enumerate(zip(events, records)):
+class Timeline:
+    """What a scheduler's own records say happened, event by event, checked against the rules every
+    correct scheduler keeps (whatever order it admits in); at the end, the state its Scheduler object
+    must be in if the records are its own."""
+
+    def __init__(self, cfg: dict) -> None:
+        self.cfg = cfg
+        self.live: dict[str, dict] = {}  # each live request: what the records say of it
+        self.running: set[str] = set()  # running after the last step (and its finishes)
+        self.steps = self.preemptions = self.admissions = 0
+
+    def play(self, events: list[tuple], records: list) -> tuple[int, str] | None:
+        """The first event at which the records break a rule, and what is wrong; None if they keep all."""
+        for i, (event, record) in enumerate(zip(events, records)):
+            problem = self._event(event, record)
+            if problem is not None:
+                return i, problem
+        return None
+
+    def _event(self, event: tuple, record: tuple) -> str | None:
+        bs, nb = self.cfg["block_size"], self.cfg["num_blocks"]
+        budget, seats = self.cfg["max_num_batched_tokens"], self.cfg["max_num_seqs"]
+        live, running = self.live, self.running
         if event[0] == "add":
             _, rid, prompt, output, *_ = event
             never = prompt > budget or math.ceil(prompt / bs) > nb
             if record[0] == "ok" and never:
-                return i, f"add accepted a request of {prompt} tokens, which can never run"
+                return f"add accepted a request of {prompt} tokens, which can never run"
             if record[0] != "ok" and not never:
-                return i, f"add refused a request of {prompt} tokens, which can run"
+                return f"add refused a request of {prompt} tokens, which can run ({record[1]})"
             if record[0] == "ok":
-                live[rid] = dict(tokens=prompt, output=output, outputs=0, computed=0, table=[])
-            continue
+                live[rid] = dict(tokens=prompt, output=output, outputs=0, computed=0, table=[], status="waiting",
+                                 admitted_seq=None, num_preemptions=0, arrival_step=self.steps)  # fmt: skip
+            return None
         if event[0] == "abort":
             if record[0] != "ok":
-                return i, f"abort raised {record[1]}"
+                return f"abort raised {record[1]}"
             live.pop(event[1], None)
             running.discard(event[1])
-            continue
+            return None
         if record[0] != "step" or len(record) != 4:
-            return i, f"schedule raised {record[1] if record[0] == 'error' else 'something'}"
+            return f"schedule raised {record[1] if record[0] == 'error' else 'something'}"
+        self.steps += 1
         _, batch, preempted, tables = record
         if not isinstance(batch, dict) or not isinstance(preempted, list) or not isinstance(tables, dict):
-            return i, "a step's record is malformed"
+            return "a step's record is malformed"
         unknown = [r for r in list(batch) + preempted if r not in live]
         if unknown:
-            return (
-                i,
-                f"your scheduler scheduled or preempted request {unknown[0]!r}, which had finished or was aborted",
-            )
+            return f"your scheduler scheduled or preempted request {unknown[0]!r}, which had finished or was aborted"
         if sum(batch.values()) > budget:
             return (
-                i,
-                f"the step computes {sum(batch.values())} tokens, more than max_num_batched_tokens={budget}",
+                f"the step computes {sum(batch.values())} tokens, more than max_num_batched_tokens={budget}"
             )
         if len(set(preempted)) != len(preempted) or not set(preempted) <= running:
-            return i, "your scheduler preempted a request that was not running (or preempted one twice)"
+            return "your scheduler preempted a request that was not running (or preempted one twice)"
         starved = running - set(batch) - set(preempted)
         if starved:
-            return i, (
+            return (
                 f"request {sorted(starved)[0]!r} was decoding and is neither scheduled nor preempted: running requests "
                 "get their next token first, every step"
             )
         for rid in preempted:
-            live[rid].update(computed=0, table=[])
-        now_running = (running - set(preempted)) | set(batch)
-        if len(now_running) > seats:
-            return i, f"{len(now_running)} requests are running, more than max_num_seqs={seats}"
+            live[rid].update(computed=0, table=[], status="preempted")
+            live[rid]["num_preemptions"] += 1
+            self.preemptions += 1
+        kept = running - set(preempted)
+        if len(kept | set(batch)) > seats:
+            return f"{len(kept | set(batch))} requests are running, more than max_num_seqs={seats}"
         owner: dict[int, str] = {}
         for rid, n in batch.items():
             state = live[rid]
             left = state["tokens"] - state["computed"]
             if n != left:
-                return i, (
+                return (
                     f"request {rid!r} was scheduled for {n} token(s) but has {left} to compute (a request admitted "
                     "after a preemption has nothing computed; a running one computes one token a step)"
                 )
             table = tables.get(rid)
             if not isinstance(table, list) or any(type(b) is not int or not 0 <= b < nb for b in table):
-                return i, f"request {rid!r}'s block table is not a list of block ids of the pool"
+                return f"request {rid!r}'s block table is not a list of block ids of the pool"
             if len(table) * bs < state["computed"] + n:
-                return i, f"request {rid!r}'s block table is too short for its tokens"
-            if rid in running and rid not in preempted and table[: len(state["table"])] != state["table"]:
-                return i, f"request {rid!r} lost or changed blocks it held while it ran"
+                return f"request {rid!r}'s block table is too short for its tokens"
+            if rid in kept and table[: len(state["table"])] != state["table"]:
+                return f"request {rid!r} lost or changed blocks it held while it ran"
             for b in table:
                 if b in owner:
-                    return (
-                        i,
-                        f"block {b} is in the tables of two running requests ({owner[b]!r} and {rid!r}) at once",
-                    )
+                    return f"block {b} is in the tables of two running requests ({owner[b]!r} and {rid!r}) at once"
                 owner[b] = rid
             state["table"] = list(table)
-        running = set()
+            if rid not in kept:  # admitted in this step
+                self.admissions += 1
+                state.update(status="running", admitted_seq=self.admissions)
+        self.running = set()
         for rid, n in batch.items():
             state = live[rid]
             state["computed"] += n
@@ -437,41 +475,69 @@ def _invariant_problem(
                 if state["outputs"] >= state["output"]:
                     del live[rid]
                     continue
-            running.add(rid)
-    held.append(sum(len(live[rid]["table"]) for rid in running))
-    if live:
-        return len(events), "unfinished"
-    return None
+            self.running.add(rid)
+        return None
+
+    def held(self) -> int:
+        """Blocks in the tables of the requests running after the last step."""
+        return sum(len(self.live[rid]["table"]) for rid in self.running)
+
+    def check(self, scheduler, allocator, label: str) -> None:
+        """The learner's Scheduler object (read through its handle) in the state its records imply: what
+        replay_schedule reported must be what this scheduler did."""
+        where = f"{label}: after the workload, your Scheduler's own"
+        assert scheduler.step_count == self.steps, f"{where} step_count is not the number of schedule() calls"
+        assert scheduler.num_preemptions == self.preemptions, (
+            f"{where} num_preemptions is not the number of preemptions its steps reported"
+        )
+        for queue in ("running", "waiting"):
+            mine = {}
+            for req in expect(getattr(scheduler, queue), list, f"Scheduler.{queue}"):
+                expect(req, Remote, f"each request of Scheduler.{queue}")
+                mine[req.request_id] = req
+            want = sorted(self.running) if queue == "running" else sorted(set(self.live) - self.running)
+            assert sorted(mine) == want, f"{where} {queue} list holds other requests than its steps imply"
+            for rid, req in mine.items():
+                state, model = _request_state(req), self.live[rid]
+                want_state = dict(
+                    status=model["status"],
+                    num_computed_tokens=model["computed"] if queue == "running" else 0,
+                    block_table=model["table"] if queue == "running" else [],
+                    admitted_seq=model["admitted_seq"],
+                    num_preemptions=model["num_preemptions"],
+                    arrival_step=model["arrival_step"],
+                    outputs=model["outputs"],
+                )
+                wrong = [k for k in want_state if state[k] != want_state[k]]
+                hint = " (a preempted request gives its blocks back)" if "block_table" in wrong else ""
+                assert not wrong, (
+                    f"{where} request {rid!r} ({queue}) has another {', '.join(wrong)} than its steps imply{hint}"
+                )
+        free, held = allocator.num_free, self.held()
+        assert free + held == self.cfg["num_blocks"], (
+            f"{label}: {self.cfg['num_blocks'] - free - held} block(s) are neither free nor in the table of a running "
+            "request: finish, abort and preemption give a request's blocks back"
+        )
 
 
 @pytest.mark.points(2)
 def test_scheduler_keeps_its_invariants_on_random_workloads(lab, rng):
-    """Check the learner's own decisions on random workloads run to the end: budget and seats kept, decodes never starved, no block in two tables, every block free at the end."""
+    """Check the learner's own decisions on random workloads run to the end: budget and seats kept, decodes never starved, no block in two tables, every request finished and every block free at the end."""
     for trial in range(6):
         cfg = random_config(rng, POLICIES[trial % 3])
         events = random_workload(rng, cfg, rng.randint(15, 40), drain=True)
         label = f"on a random workload run to the end ({describe(cfg)})"
         records, scheduler, allocator = learner_replay(lab, cfg, events)
-        blocks: list[int] = []
-        problem = _invariant_problem(records, events, cfg, blocks)
-        if problem is not None and problem[1] != "unfinished":
+        timeline = Timeline(cfg)
+        problem = timeline.play(events, records)
+        if problem is not None:
             i, what = problem
             raise AssertionError(f"{label}, {_where(events, i)}: {what}")
-        held = blocks[0]
-        free = allocator.num_free
-        assert free + held == cfg["num_blocks"], (
-            f"{label}: {cfg['num_blocks'] - free - held} block(s) are neither free nor in the table of a running "
-            "request: finish, abort and preemption give a request's blocks back"
+        timeline.check(scheduler, allocator, label)
+        assert not timeline.live, (
+            f"{label}: {len(timeline.live)} request(s) never finished in {timeline.steps} steps (nanolab's scheduler "
+            "finishes them all in fewer)"
         )
-        assert problem is None, (
-            f"{label}: some requests never finished in {sum(e[0] == 'step' for e in events)} steps (nanolab's "
-            "scheduler finishes them all in fewer)"
-        )
-        assert not expect(scheduler.running, list, "Scheduler.running") and not expect(
-            scheduler.waiting, list, "Scheduler.waiting"
-        ), f"{label}: every request finished or was aborted, yet some are still in running or waiting"
-        _, reference = reference_replay(cfg, events)
-        check_state(scheduler, allocator, reference, label)
 
 
 def _batch(out, what: str) -> list[tuple]:
@@ -515,11 +581,13 @@ def _compare_direct(lab, out, ref_out, what: str) -> None:
 def test_scheduler_driven_directly_through_add_schedule_finish_abort(lab, rng):
     """Check Scheduler called directly (no replay): the first step's admissions, finish and abort giving blocks back, the next step's decodes and admissions."""
     for trial in range(3):
-        seats = rng.randint(2, 5)
-        cfg = dict(block_size=rng.choice([2, 4]), num_blocks=0, max_num_seqs=seats, max_num_batched_tokens=rng.choice([16, 24, 40]),
+        seats = rng.randint(3, 5)
+        cfg = dict(block_size=rng.choice([2, 4]), num_blocks=0, max_num_seqs=seats, max_num_batched_tokens=64,
                    scheduling_policy=POLICIES[trial], aging_steps=rng.choice([1, 3]))  # fmt: skip
         n = seats + rng.randint(2, 4)
-        lengths = [rng.choice([1, 1, rng.randint(2, 12)]) for _ in range(n)]
+        # at most seats - 2 one-token prompts: whichever requests fill the seats, two or more are longer
+        ones = rng.randint(1, seats - 2)
+        lengths = rng.sample([1] * ones + [rng.randint(2, 12) for _ in range(n - ones)], n)
         cfg["num_blocks"] = sum(math.ceil(p / cfg["block_size"]) for p in lengths) + rng.randint(2, 6)
         label = f"called directly ({describe(cfg)}, {n} requests of {lengths} tokens)"
         scheduler, allocator = learner_scheduler(lab, cfg)
@@ -538,21 +606,25 @@ def test_scheduler_driven_directly_through_add_schedule_finish_abort(lab, rng):
         )
         # Finish or abort every running request longer than a token (the others still decode: without an
         # engine their one token stays uncomputed, which is a decode), and abort one waiting request.
-        for rid in [r.request_id for r in reference.running if r.num_prompt_tokens > 1]:
-            verb = rng.choice(["finish", "abort"])
+        longer = [r.request_id for r in reference.running if r.num_prompt_tokens > 1]
+        for k, rid in enumerate(longer):
+            verb = ("finish", "abort")[k] if k < 2 else rng.choice(["finish", "abort"])
             getattr(scheduler, verb)(mine[rid])
             getattr(reference, verb)(theirs[rid])
             assert status_of(mine[rid].status) == "running", (
                 f"{label}: Scheduler.{verb} changed the request's status (the engine moves it to FINISHED itself)"
             )
+            assert allocator.num_free == reference.block_manager.allocator.num_free, (
+                f"{label}: after Scheduler.{verb} of a running request, the number of free blocks differs from "
+                f"nanolab's ({verb} gives the request's blocks back)"
+            )
         if reference.waiting:
             rid = rng.choice(reference.waiting).request_id
             scheduler.abort(mine[rid])
             reference.abort(theirs[rid])
-        assert allocator.num_free == reference.block_manager.allocator.num_free, (
-            f"{label}: after finish and abort of running requests, the number of free blocks differs from nanolab's "
-            "(they give the request's blocks back)"
-        )
+            assert allocator.num_free == reference.block_manager.allocator.num_free, (
+                f"{label}: Scheduler.abort of a waiting request changed the number of free blocks"
+            )
         for queue in ("running", "waiting"):
             got = sorted(r.request_id for r in expect(getattr(scheduler, queue), list, f"Scheduler.{queue}"))
             assert got == sorted(r.request_id for r in getattr(reference, queue)), (
@@ -697,8 +769,7 @@ def test_aging_bounds_the_wait_of_a_low_priority_request(lab, rng):
             f"admitted within {waited} (a request moves up one level for every aging_steps it waits, counted from "
             "its arrival_step)"
         )
-        _, reference = reference_replay(cfg, events)
-        check_state(scheduler, allocator, reference, label)
+        check_driven(scheduler, allocator, events, records, cfg, label)
 
 
 # ---------------------------------------------------------------------------------------------- speed
@@ -711,10 +782,10 @@ def test_schedule_speed_is_within_budget(lab, rng):
     Both sides run the same replay (the notebook's copy in the sandbox, nanolab's here); each is timed by
     its own CPU time (the reference's thread here, the learner's processes as the grader reads them), so a
     busy machine does not move the budget. Reference figures on a 2-core machine: nanolab's scheduler and
-    replay take about 0.05 s, so the budget is about 1.5 s; the solution about 0.1 s in the sandbox,
-    most of it encoding the records. A scheduler that scans its queues for every request of every step
-    (``list.index``, ``in`` on lists inside loops over the running requests) still passes; one that re-sorts
-    or copies the running list for every request does not.
+    replay take about 0.02 s, so the budget is about 0.95 s; the solution about 0.05 s in the sandbox.
+    A scheduler that re-sorts the running list for every request (about 0.3 s) or scans the step's batch
+    for every request (about 0.15 s) passes; one that looks for a victim for every request whether or not
+    it needs one (cubic in the running requests) takes more than 7 s and fails.
     """
     n = 256
     cfg = dict(block_size=16, num_blocks=4 * n, max_num_seqs=n, max_num_batched_tokens=8 * n,
@@ -741,8 +812,8 @@ def test_schedule_speed_is_within_budget(lab, rng):
     check_state(scheduler, allocator, reference, "on the speed workload")
     assert elapsed <= budget, (
         f"50 steps with {n} running requests took {elapsed:.2f} s of CPU time; the budget is {budget:.2f} s "
-        "(20x nanolab's scheduler + 0.5 s). A step should touch each running request a few times, not scan "
-        "the running list for each of them"
+        "(20x nanolab's scheduler + 0.5 s): a step should do a few operations per running request, not work that "
+        "grows with their number for each of them"
     )
 
 
@@ -875,7 +946,7 @@ def _drive(llm, events: list[tuple], prompts: dict[str, list[int]]) -> dict[str,
                     else f"at step {step} the engine could not run your scheduler's decisions ({type(cause).__name__})"
                 ) from None
     assert not engine.has_unfinished(), (
-        f"with your scheduler's decisions, some requests had not finished after {sum(e[0] == 'step' for e in events)} steps"
+        f"some requests had not finished after {sum(e[0] == 'step' for e in events)} steps"
     )
     return {rid: list(req.output_token_ids) for rid, req in requests.items()}
 
@@ -930,13 +1001,12 @@ def test_your_schedulers_decisions_give_the_reference_outputs_in_the_engine(lab,
         cfg, prompts, events = _engine_workload(rng, tokenizer)
         label = f"with your scheduler's decisions ({describe(cfg)}, {len(prompts)} requests, preempting)"
         records, scheduler, allocator = learner_replay(lab, cfg, events)
-        _, reference = reference_replay(cfg, events)
-        check_state(scheduler, allocator, reference, label)
         for i, record in enumerate(records):
             if events[i][0] == "step" and record[0] != "step":
                 raise AssertionError(f"{label}, {_where(events, i)}: schedule raised {record[1]}")
             if events[i][0] == "add" and record[0] != "ok":
                 raise AssertionError(f"{label}: add refused request {events[i][1]!r}, which can run")
+        check_driven(scheduler, allocator, events, records, cfg, label)
         steps = [r for e, r in zip(events, records) if e[0] == "step"]
         settings = {k: cfg[k] for k in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
                                          "scheduling_policy", "aging_steps")}  # fmt: skip
