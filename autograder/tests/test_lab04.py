@@ -107,7 +107,7 @@ def reach(lab, req, state: str, rid: str) -> None:
             move(lab, req, name)
         except RemoteError as e:
             raise AssertionError(
-                f"bringing request {rid!r} to {state.upper()} by the legal moves {path} failed: "
+                f"bringing request {rid!r} to {state.upper()} by the legal moves {[move_text(m) for m in path]} failed: "
                 f"{move_text(name)} raised {e.type_name}"
             ) from None
     got = status_of(req.status)
