@@ -78,13 +78,14 @@ def encode(value: Any, make_handle: Callable[[Any], dict] | None = None, _depth:
         raise CodecError(f"value is nested more than {MAX_DEPTH} levels deep")
     if value is None or isinstance(value, bool):
         return None if value is None else bool(value)
+    # The base types' own conversions: a subclass's __str__ or __int__ (an enum's, say) is not its value.
     if isinstance(value, int):
-        return int(value)
+        return int.__int__(value)
     if isinstance(value, float):
-        v = float(value)
+        v = float.__float__(value)
         return v if math.isfinite(v) else {"$f": repr(v)}
     if isinstance(value, str):
-        return str(value)
+        return str.__str__(value)
     if isinstance(value, (bytes, bytearray, memoryview)):
         return {"$b": base64.b64encode(bytes(value)).decode("ascii")}
     if isinstance(value, list):

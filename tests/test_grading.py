@@ -508,6 +508,26 @@ def test_codec_round_trips_nested_plain_data_exactly(value):
     assert _same(codec.decode(codec.loads(codec.dumps({"v": codec.encode(value)})[8:])["v"]), value)
 
 
+def test_codec_sends_a_subclass_of_a_plain_type_as_its_value():
+    """An enum member that is a str, int or float crosses as its value, whatever its __str__ says
+    (Python 3.11's str() of a str-valued enum member is "Status.RUNNING", not "running")."""
+    import enum
+
+    class Status(str, enum.Enum):
+        RUNNING = "running"
+
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    class Loud(str):
+        def __str__(self):
+            return "something else"
+
+    sent = codec.encode([Status.RUNNING, Level.HIGH, Loud("quiet"), 2.5])
+    assert sent == ["running", 3, "quiet", 2.5]
+    assert [type(v) for v in sent] == [str, int, str, float]
+
+
 def test_codec_round_trips_arrays_and_refuses_object_arrays():
     np = pytest.importorskip("numpy")
     array = np.arange(12, dtype=np.float32).reshape(3, 4)

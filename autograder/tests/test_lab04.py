@@ -29,12 +29,8 @@ MODES = ("static", "continuous")
 
 
 def status_of(value) -> str:
-    """A status or reason read from the sandbox, as its value: an enum member crosses as a plain string,
-    either its value ("running") or its name ("RequestStatus.RUNNING"), depending on the Python."""
-    if value is None:
-        return "None"
-    text = str(value)
-    return text.rsplit(".", 1)[-1].lower()
+    """A status or reason read from the sandbox (an enum member crosses as its value: "running")."""
+    return "None" if value is None else str(value)
 
 
 def raises(error: str, function, *args) -> str | None:

@@ -46,9 +46,8 @@ TIE_GAP = 1e-4  # a greedy choice closer than this may go either way with a diff
 
 
 def status_of(value) -> str:
-    """A status read from the sandbox as its value (an enum member crosses as a plain string: its value
-    or "RequestStatus.RUNNING", depending on the Python)."""
-    return "None" if value is None else str(value).rsplit(".", 1)[-1].lower()
+    """A status read from the sandbox (an enum member crosses as its value: "running")."""
+    return "None" if value is None else str(value)
 
 
 def describe(cfg: dict) -> str:
