@@ -10,7 +10,7 @@ from engine_utils import random_prompts, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanolab import PyBlockAllocator
+from nanolab import LLM, PyBlockAllocator
 from nanolab.engine.config import SchedulingPolicy
 from nanolab.engine.engine import Engine, EngineConfig
 from nanolab.engine.request import Request, RequestStatus
@@ -457,3 +457,21 @@ def test_the_scheduler_admits_waiting_requests_in_the_policy_order():
     assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("short", 2)]
     assert sched.running[0].status is RequestStatus.RUNNING
     assert ids(sched.waiting) == ["mid", "long"]
+
+
+def test_without_chunked_prefill_no_request_outgrows_the_step_budget():
+    """A preempted request is recomputed in one step, prompt and output: without chunked prefill the
+    engine caps a request at max_num_batched_tokens, so a preempted one always fits again (uncapped, a
+    request preempted with more tokens than the budget could never be admitted again)."""
+    llm = LLM(MODEL, None, enable_chunked_prefill=False, enable_prefix_caching=False, block_size=4,
+              num_blocks=3, max_num_seqs=2, max_num_batched_tokens=8)  # fmt: skip
+    assert llm.engine.config.max_model_len == 8
+    with pytest.raises(ValueError, match="at most max_num_batched_tokens"):
+        llm.generate([[5, 6], [7, 8]], SamplingParams(max_tokens=14, temperature=0, ignore_eos=True))
+    outs = llm.generate([[5, 6], [7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
+    assert llm.stats().preemptions > 0, (
+        "two requests of 2 blocks each in a pool of 3 should force a preemption"
+    )
+    with pytest.raises(ValueError, match="max_model_len 16 is more than max_num_batched_tokens 8"):
+        LLM(MODEL, None, enable_chunked_prefill=False, max_num_batched_tokens=8, max_model_len=16)

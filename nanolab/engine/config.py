@@ -118,6 +118,16 @@ class EngineConfig:
             budget = DEFAULT_CHUNKED_BUDGET
             if not self.enable_chunked_prefill:
                 budget = max(max_model_len, DEFAULT_CHUNKED_BUDGET)
+        elif not self.enable_chunked_prefill and budget < max_model_len:
+            # Without chunked prefill a step must compute a whole request: a preempted request is
+            # recomputed in one step, prompt and output, so no request may grow past the budget.
+            if self.max_model_len is not None:
+                raise ValueError(
+                    f"max_model_len {max_model_len} is more than max_num_batched_tokens {budget}: without "
+                    "chunked prefill a request is (re)computed in one step, so it may hold at most the step's "
+                    "budget; raise max_num_batched_tokens, lower max_model_len, or enable chunked prefill"
+                )
+            max_model_len = budget
         return dataclasses.replace(
             self, max_model_len=max_model_len, num_blocks=num_blocks, max_num_batched_tokens=budget
         )

@@ -121,9 +121,18 @@ class PromptProcessor:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise PromptError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if P + M > L:
+        budget = cfg.max_num_batched_tokens
+        if not cfg.enable_chunked_prefill and P > budget:
             raise PromptError(
-                f"the prompt has {P} tokens and max_tokens is {M}: {P + M} > max_model_len {L}; "
+                f"the prompt has {P} tokens but, without chunked prefill, a prompt must fit in one step of "
+                f"max_num_batched_tokens={budget}; raise it or enable chunked prefill"
+            )
+        if P + M > L:
+            why = ""
+            if not cfg.enable_chunked_prefill and L == budget:
+                why = " (without chunked prefill a request may hold at most max_num_batched_tokens)"
+            raise PromptError(
+                f"the prompt has {P} tokens and max_tokens is {M}: {P + M} > max_model_len {L}{why}; "
                 "shorten the prompt, lower max_tokens or raise max_model_len"
             )
         need = cdiv(P + M, cfg.block_size)
@@ -131,10 +140,4 @@ class PromptProcessor:
             raise PromptError(
                 f"the request needs up to {need} KV blocks ({P} prompt + {M} output tokens) but the pool has "
                 f"only {cfg.num_blocks}; raise num_blocks or lower max_tokens"
-            )
-        budget = cfg.max_num_batched_tokens
-        if not cfg.enable_chunked_prefill and P > budget:
-            raise PromptError(
-                f"the prompt has {P} tokens but, without chunked prefill, a prompt must fit in one step of "
-                f"max_num_batched_tokens={budget}; raise it or enable chunked prefill"
             )
