@@ -62,7 +62,7 @@ class EngineConfig:
         None  # tokens computed per step, at most (default: 1024 with chunked prefill, else max_model_len)
     )
     max_model_len: int | None = (
-        None  # prompt + output tokens of a request, at most (default: the model's max_seq_len)
+        None  # prompt + output tokens of a request, at most (default: the model's max_seq_len; without chunked prefill, at most max_num_batched_tokens)
     )
     enable_prefix_caching: bool = True  # share computed prompt blocks between requests (radix cache)
     enable_chunked_prefill: bool = True  # split long prompts over several steps, next to running decodes
