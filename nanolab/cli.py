@@ -96,7 +96,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+ENGINE_COMMANDS = ("generate", "bench", "serve")
+
+
+def build_parser(engine_args: bool = True) -> argparse.ArgumentParser:
+    """The whole command line; ``engine_args=False`` leaves out the engine's flags of the commands that
+    build an engine (they import torch, which `nanolab grade` and `nanolab info` do not need)."""
+    add_engine = add_engine_args if engine_args else (lambda p: None)
     parser = argparse.ArgumentParser(prog="nanolab", description=__doc__)
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command")
@@ -122,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("-v", "--verbose", action="store_true", help="print token count and timing")
-    add_engine_args(gen)
+    add_engine(gen)
     gen.set_defaults(func=_cmd_generate)
 
     bench = sub.add_parser("bench", help="measure engine throughput and latency on a synthetic workload")
@@ -130,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--input-len", type=int, default=128, help="mean prompt length in tokens")
     bench.add_argument("--output-len", type=int, default=64, help="mean output length in tokens")
     bench.add_argument("--seed", type=int, default=0)
-    add_engine_args(bench)
+    add_engine(bench)
     bench.set_defaults(func=_cmd_bench)
 
     serve = sub.add_parser(
@@ -146,13 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
-    add_engine_args(serve)
+    add_engine(serve)
     serve.set_defaults(func=_cmd_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(engine_args=command in ENGINE_COMMANDS)
     args = parser.parse_args(argv)
     if args.version:
         from nanolab._version import __version__
