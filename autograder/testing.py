@@ -176,6 +176,19 @@ def spread_out(model: Any, seed: int) -> Any:
 
 
 @pytest.fixture
+def torch_on_one_thread():
+    """torch on one thread in the grader while a test runs: its tensors are small, and idle worker
+    threads would spin on the cores the learner's process needs. A module asks for it with
+    ``pytestmark = pytest.mark.usefixtures("torch_on_one_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def lab(request: pytest.FixtureRequest) -> Learner:
     """The submission under test (see `Learner` and the module docstring)."""
     return Learner(request.config.stash[SESSION_KEY])

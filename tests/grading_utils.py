@@ -13,6 +13,19 @@ from autograder.sandbox import Limits
 
 STUB = "raise NotImplementedError()"
 
+# A list whose comparisons always say "equal", for a tampered cell to return: made in the learner's process,
+# it crosses to the grader as a plain list (or a handle), so the grader compares the data it holds.
+LYING_LIST = """
+class _Yes(list):
+    def __eq__(self, other):
+        return True
+
+    def __ne__(self, other):
+        return False
+
+    __hash__ = None
+"""
+
 
 def cell(nb: dict, grade_id: str) -> dict:
     """The notebook cell with this nbgrader grade_id."""

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from grading_utils import (
+    LYING_LIST,
     STUB,
     Batch,
     check_blank_lab_scores_zero,
@@ -110,16 +111,7 @@ PLANTED_BUGS = {
 
 # Containers whose comparisons always say "equal", made in the learner's process: they cross to the
 # grader as plain lists and tuples (or as handles), so the grader compares the data they hold.
-LIAR = """
-class _Yes(list):
-    def __eq__(self, other):
-        return True
-
-    def __ne__(self, other):
-        return False
-
-    __hash__ = None
-"""
+LIAR = LYING_LIST
 
 GARBAGE = {  # cell -> replacement for each stub, in order (wrong values of the right types)
     "simulate": ["return SimResult(_Yes(), 0, 0, 0, 0, None)"],

@@ -15,7 +15,14 @@ import json
 from pathlib import Path
 
 import pytest
-from grading_utils import STUB, Batch, cell
+from grading_utils import (
+    LYING_LIST,
+    STUB,
+    Batch,
+    cell,
+    check_planted_bug_is_caught,
+    check_solution_scores_full_marks,
+)
 from grading_utils import sub as _sub
 
 from autograder.sandbox import Limits
@@ -112,16 +119,9 @@ PLANTED_BUGS = {
 
 # Containers and strings whose comparisons always say "equal", made in the learner's process: they cross
 # to the grader as plain lists and strings (or as handles), so the grader compares the data they hold.
-LIAR = """
-class _Yes(list):
-    def __eq__(self, other):
-        return True
-
-    def __ne__(self, other):
-        return False
-
-    __hash__ = None
-
+LIAR = (
+    LYING_LIST
+    + """
 
 class _YesStr(str):
     def __eq__(self, other):
@@ -132,6 +132,7 @@ class _YesStr(str):
 
     __hash__ = str.__hash__
 """
+)
 
 GARBAGE = {  # cell -> replacement for each stub, in order (wrong values of the right types)
     "transitions": [
@@ -203,10 +204,7 @@ def batch(tmp_path_factory):
 
 
 def test_solution_scores_full_marks(batch):
-    result = batch["solution"]
-    failed = {t.id: t.output for t in result.tests if t.status != "passed"}
-    assert result.lab == 4 and result.max_score > 0 and not failed, failed
-    assert result.score == result.max_score
+    check_solution_scores_full_marks(batch, lab=4)
 
 
 def test_blank_lab_scores_zero(batch):
@@ -220,11 +218,7 @@ def test_blank_lab_scores_zero(batch):
 
 @pytest.mark.parametrize("name", sorted(PLANTED_BUGS))
 def test_planted_bug_loses_points_in_the_test_that_targets_it(batch, name):
-    result = batch[f"bug_{name}"]
-    catcher = PLANTED_BUGS[name][3]
-    status = {t.id: t.status for t in result.tests}
-    assert status[catcher] == "failed", f"{catcher} did not catch {name}"
-    assert 0 < result.score < result.max_score
+    check_planted_bug_is_caught(batch, PLANTED_BUGS, name)
 
 
 def test_feedback_names_the_mistake_without_the_answer(batch):

@@ -169,14 +169,7 @@ class SandboxedCache:
         return as_tensor(out, what, shape).to(q.dtype)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Run torch here on one thread: the tensors are tiny, and this process's idle worker threads would
-    spin on the cores the learner's process needs (a call into the sandbox then takes 10x longer)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("torch_on_one_thread")
 
 
 # ---------------------------------------------------------------------------------------------- attention

@@ -83,14 +83,7 @@ def holders_of(tables: list[list[int]], num_blocks: int) -> list[int]:
     return counts
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """torch on one thread here: the tensors are tiny, and idle worker threads would compete with the
-    learner's process for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("torch_on_one_thread")
 
 
 # ---------------------------------------------------------------------------------------------- paged attention

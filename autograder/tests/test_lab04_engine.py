@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import nanolab
-from autograder.testing import Remote, RemoteError, expect
+from autograder.testing import Remote, RemoteError, bundled_model, expect
 from nanolab import PyBlockAllocator
 from nanolab.engine.config import EngineConfig
 from nanolab.engine.engine import EngineStepError
@@ -825,19 +825,7 @@ def _stdlib_text() -> str:
     return "".join(open(os.path.join(root, name), encoding="utf-8").read() for name in STDLIB_FILES)
 
 
-@functools.cache
-def bundled():
-    return nanolab.load_model(), nanolab.load_tokenizer()
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """torch on one thread here: the model is tiny, and idle worker threads would compete with the
-    learner's process for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("torch_on_one_thread")
 
 
 class RecordedScheduler:
@@ -994,7 +982,7 @@ def _engine_workload(rng, tokenizer) -> tuple[dict, dict, list[tuple]]:
 @pytest.mark.points(3)
 def test_your_schedulers_decisions_give_the_reference_outputs_in_the_engine(lab, rng):
     """Check that nanolab's engine, running your scheduler's decisions (batches, preemptions, block tables) on the bundled model, gives nanolab's greedy outputs through preemptions."""
-    model, tokenizer = bundled()
+    model, tokenizer = bundled_model()
     ties = 0
     for _ in range(2):
         cfg, prompts, events = _engine_workload(rng, tokenizer)
