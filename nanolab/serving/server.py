@@ -103,13 +103,19 @@ def build_app(aengine: AsyncEngine, model_name: str, chat_template: ChatTemplate
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def read_json(request: Request) -> Any:
+        """The request's JSON body, or the 400 response that says it is not JSON."""
         try:
-            body = json.loads(await request.body())
+            return json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             metrics.requests.inc(status="rejected")
             return error_response(400, f"the request body is not valid JSON: {exc}", code="invalid_json")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await read_json(request)
+        if isinstance(body, JSONResponse):
+            return body
         try:
             req = oa.parse_completion_request(body, model_name)
             cid = oa.new_completion_id()
@@ -123,16 +129,10 @@ def build_app(aengine: AsyncEngine, model_name: str, chat_template: ChatTemplate
         except EngineNotRunning as exc:
             return error_response(503, f"{exc}; try again later", "server_error")
         if req.stream:
-            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(
-                _stream(aengine, group, req), media_type="text/event-stream", headers=headers
-            )
-        try:
-            finals = await _collect(aengine, group, request)
-        except EngineStepError as exc:
-            return error_response(500, str(exc), "server_error")
-        except ClientGone:
-            return error_response(499, "the client closed the connection")
+            return _event_stream(_stream(aengine, group, req))
+        finals = await _collect_or_error(aengine, group, request)
+        if isinstance(finals, JSONResponse):
+            return finals
         choices = [
             oa.choice(i, o.outputs[0].text or "", o.outputs[0].finish_reason) for i, o in enumerate(finals)
         ]
@@ -142,11 +142,9 @@ def build_app(aengine: AsyncEngine, model_name: str, chat_template: ChatTemplate
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            metrics.requests.inc(status="rejected")
-            return error_response(400, f"the request body is not valid JSON: {exc}", code="invalid_json")
+        body = await read_json(request)
+        if isinstance(body, JSONResponse):
+            return body
         try:
             req = chat.parse_chat_request(body, model_name)
             prompt = chat_prompt(
@@ -174,22 +172,34 @@ def build_app(aengine: AsyncEngine, model_name: str, chat_template: ChatTemplate
         except EngineNotRunning as exc:
             return error_response(503, f"{exc}; try again later", "server_error")
         if req.stream:
-            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(
-                _stream_chat(aengine, group, req), media_type="text/event-stream", headers=headers
-            )
-        try:
-            (final,) = await _collect(aengine, group, request)
-        except EngineStepError as exc:
-            return error_response(500, str(exc), "server_error")
-        except ClientGone:
-            return error_response(499, "the client closed the connection")
+            return _event_stream(_stream_chat(aengine, group, req))
+        finals = await _collect_or_error(aengine, group, request)
+        if isinstance(finals, JSONResponse):
+            return finals
+        (final,) = finals
         c = final.outputs[0]
         choices = [chat.message_choice(0, c.text or "", c.finish_reason)]
         usage = oa.usage(len(final.prompt_token_ids), len(c.token_ids))
         return chat.chat_body(cid, model_name, oa.now(), choices, usage)
 
     return app
+
+
+def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+
+async def _collect_or_error(
+    aengine: AsyncEngine, group: RequestGroup, request: Request
+) -> list[RequestOutput] | JSONResponse:
+    """Every final output of the group, or the error response for a failed step or a client gone."""
+    try:
+        return await _collect(aengine, group, request)
+    except EngineStepError as exc:
+        return error_response(500, str(exc), "server_error")
+    except ClientGone:
+        return error_response(499, "the client closed the connection")
 
 
 async def _collect(aengine: AsyncEngine, group: RequestGroup, request: Request) -> list[RequestOutput]:

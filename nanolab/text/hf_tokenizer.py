@@ -29,16 +29,16 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
+
+from nanolab.text.tokenizer import AllowedSpecial, allowed_special_tokens
 
 HF_TOKENIZER_FILE = "tokenizer.json"
 HF_TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback: <0x0A> is b"\n"
-
-AllowedSpecial = Literal["none_raise", "none", "all"] | Collection[str]
 
 
 def unicode_to_bytes() -> dict[str, int]:
@@ -195,23 +195,7 @@ class HFTokenizer:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def _allowed(self, allowed_special: AllowedSpecial) -> frozenset[str]:
-        if allowed_special == "all":
-            return frozenset(self._special)
-        if allowed_special == "none_raise":
-            return frozenset()
-        if isinstance(allowed_special, str):
-            raise ValueError(
-                f"allowed_special must be 'none_raise', 'none', 'all' or a set of special tokens, "
-                f"got the string {allowed_special!r} (for one token, pass {{{allowed_special!r}}})"
-            )
-        allowed = frozenset(allowed_special)
-        unknown = sorted(allowed - self._special.keys())
-        if unknown:
-            raise ValueError(
-                f"allowed_special names {unknown}, which are not special tokens of this tokenizer "
-                f"(it has {sorted(self._special)[:20]})"
-            )
-        return allowed
+        return allowed_special_tokens(allowed_special, self._special)
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         """The bytes that ``ids`` stand for (special tokens as their UTF-8 text)."""

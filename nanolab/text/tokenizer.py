@@ -58,6 +58,30 @@ _CACHE_SIZE = 1 << 16  # chunks whose encoding is remembered; the cache is empti
 AllowedSpecial = Literal["none_raise", "none", "all"] | Collection[str]
 
 
+def allowed_special_tokens(allowed_special: AllowedSpecial, special: Collection[str]) -> frozenset[str]:
+    """The special tokens ``allowed_special`` lets through as themselves, out of a tokenizer's ``special``.
+
+    ValueError for a string that is not one of the three words, or for a name that is not special.
+    """
+    if allowed_special == "all":
+        return frozenset(special)
+    if allowed_special in ("none", "none_raise"):
+        return frozenset()
+    if isinstance(allowed_special, str):
+        raise ValueError(
+            f"allowed_special must be 'none_raise', 'none', 'all' or a set of special tokens, "
+            f"got the string {allowed_special!r} (for one token, pass {{{allowed_special!r}}})"
+        )
+    allowed = frozenset(allowed_special)
+    unknown = sorted(allowed - set(special))
+    if unknown:
+        raise ValueError(
+            f"allowed_special names {unknown}, which are not special tokens of this tokenizer "
+            f"(it has {sorted(special)[:20]})"
+        )
+    return allowed
+
+
 class Tokenizer:
     """A byte-level BPE tokenizer: `train` one, or build one from its merges; then encode/decode.
 
@@ -215,23 +239,7 @@ class Tokenizer:
             return self._encode(without_surrogates(text), allowed)
 
     def _allowed(self, allowed_special: AllowedSpecial) -> frozenset[str]:
-        if allowed_special == "all":
-            return frozenset(self._special)
-        if allowed_special in ("none", "none_raise"):
-            return frozenset()
-        if isinstance(allowed_special, str):
-            raise ValueError(
-                f"allowed_special must be 'none_raise', 'none', 'all' or a set of special tokens, "
-                f"got the string {allowed_special!r} (for one token, pass {{{allowed_special!r}}})"
-            )
-        allowed = frozenset(allowed_special)
-        unknown = sorted(allowed - self._special.keys())
-        if unknown:
-            raise ValueError(
-                f"allowed_special names {unknown}, which are not special tokens of this tokenizer "
-                f"(it has {sorted(self._special)})"
-            )
-        return allowed
+        return allowed_special_tokens(allowed_special, self._special)
 
     def _special_finder(self, tokens: frozenset[str]) -> regex.Pattern:
         if tokens not in self._special_regex:
