@@ -296,6 +296,9 @@ def test_the_lru_heap_stays_bounded_however_often_the_cache_is_matched():
 # --- properties -----------------------------------------------------------------------------------
 
 tokens_st = st.lists(st.integers(0, 2), min_size=0, max_size=12)
+# Room for every block the properties can hold at once: up to 8 inserts of 12 one-token blocks each cached,
+# plus the blocks of the insert in progress (a pool of 64 ran out on 8 long distinct inserts).
+POOL = 8 * 12 + 12
 
 
 @settings(max_examples=150, deadline=None)
@@ -303,7 +306,7 @@ tokens_st = st.lists(st.integers(0, 2), min_size=0, max_size=12)
 def test_match_and_insert_agree_with_a_dict_of_inserted_prefixes(bs, inserts, queries):
     """Small vocabularies make prefixes collide; the tree must act like the set of all inserted
     block-aligned prefixes, whatever splits happened on the way."""
-    a = PyBlockAllocator(64)
+    a = PyBlockAllocator(POOL)
     cache = RadixCache(a, block_size=bs)
     oracle: dict[tuple[int, ...], int] = {}
     for tokens in inserts:
@@ -319,7 +322,7 @@ def test_match_and_insert_agree_with_a_dict_of_inserted_prefixes(bs, inserts, qu
         assert (m.blocks, m.num_tokens) == oracle_match(oracle, tokens, bs, match_limit(len(tokens), bs))
         assert m.num_tokens <= max(0, len(tokens) - 1)
         check_structure(cache)
-    assert {b for b in range(64) if a.ref_count(b)} == set(oracle.values())
+    assert {b for b in range(POOL) if a.ref_count(b)} == set(oracle.values())
 
 
 @settings(max_examples=100, deadline=None)
@@ -327,7 +330,7 @@ def test_match_and_insert_agree_with_a_dict_of_inserted_prefixes(bs, inserts, qu
     bs=st.integers(1, 3), inserts=st.lists(tokens_st, max_size=6), query=tokens_st, probes=st.lists(tokens_st)
 )
 def test_a_split_changes_neither_the_sizes_nor_any_match(bs, inserts, query, probes):
-    a = PyBlockAllocator(64)
+    a = PyBlockAllocator(POOL)
     cache = RadixCache(a, block_size=bs)
     for tokens in inserts:
         insert_fresh(cache, a, tokens)
@@ -342,7 +345,7 @@ def test_a_split_changes_neither_the_sizes_nor_any_match(bs, inserts, query, pro
 @settings(max_examples=100, deadline=None)
 @given(bs=st.integers(1, 3), inserts=st.lists(tokens_st, min_size=1, max_size=6), locks=st.lists(tokens_st))
 def test_lock_then_unlock_restores_every_counter(bs, inserts, locks):
-    a = PyBlockAllocator(64)
+    a = PyBlockAllocator(POOL)
     cache = RadixCache(a, block_size=bs)
     for tokens in inserts:
         insert_fresh(cache, a, tokens)
