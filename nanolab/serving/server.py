@@ -185,6 +185,14 @@ def build_app(aengine: AsyncEngine, model_name: str, chat_template: ChatTemplate
     return app
 
 
+async def _ready_items(group: RequestGroup) -> list:
+    """The next item of the group's queue, waited for, and every item already behind it."""
+    items = [await group.queue.get()]
+    while not group.queue.empty():
+        items.append(group.queue.get_nowait())
+    return items
+
+
 def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     return StreamingResponse(events, media_type="text/event-stream", headers=headers)
@@ -246,9 +254,7 @@ async def _stream(aengine: AsyncEngine, group: RequestGroup, req: oa.CompletionR
     prompt_tokens = completion_tokens = 0
     try:
         while done < n and not failed:
-            items = [await group.queue.get()]
-            while not group.queue.empty():
-                items.append(group.queue.get_nowait())
+            items = await _ready_items(group)
             events = []
             for index, item in items:
                 if isinstance(item, EngineStepError):
@@ -295,9 +301,7 @@ async def _stream_chat(
     try:
         yield chunk([chat.delta_choice(0, {"role": "assistant", "content": ""})])
         while not finished:
-            items = [await group.queue.get()]
-            while not group.queue.empty():
-                items.append(group.queue.get_nowait())
+            items = await _ready_items(group)
             events = []
             for _, item in items:
                 if isinstance(item, EngineStepError):
