@@ -211,8 +211,15 @@ def test_finish_takes_the_reason_as_a_string(reason):
 def test_finish_with_an_unknown_reason_raises_value_error_and_changes_nothing():
     r = request_in(RUNNING)
     with pytest.raises(ValueError):
-        finish(r, "timeout")
+        finish(r, "cancelled")
     assert r.status is RUNNING and r.finish_reason is None
+
+
+@pytest.mark.parametrize("state", [WAITING, RUNNING, PREEMPTED])
+def test_timeout_finishes_from_any_live_state_like_abort(state):
+    r = request_in(state)
+    finish(r, "timeout")
+    assert r.status is FINISHED and r.finish_reason is FinishReason.TIMEOUT
 
 
 def test_preempt_resets_the_computed_tokens_and_keeps_the_output():

@@ -145,13 +145,19 @@ class Engine:
         ids = None if request_id is None else [request_id]
         return self.add_requests([prompt], sampling_params, priority, ids)[0]
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now; its KV blocks are freed. Returns its final output (None if unknown/finished)."""
+    def abort(self, request_id: str, reason: FinishReason | str = FinishReason.ABORT) -> RequestOutput | None:
+        """Stop a request now; its KV blocks are freed. Returns its final output (None if unknown/finished).
+
+        ``reason`` is "abort" or "timeout" (what the final output's ``finish_reason`` says).
+        """
+        reason = FinishReason(reason)
+        if reason not in (FinishReason.ABORT, FinishReason.TIMEOUT):
+            raise ValueError(f"an abort's reason is 'abort' or 'timeout', got {reason.value!r}")
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return None
         self.scheduler.abort(req)
-        self._finish(req, FinishReason.ABORT, release=False)
+        self._finish(req, reason, release=False)
         return RequestOutput.of(req, self.tokenizer is not None)
 
     def has_unfinished(self) -> bool:

@@ -10,7 +10,7 @@ A request is WAITING until the scheduler admits it, RUNNING while it holds KV bl
 prefilled or decoded, PREEMPTED when the scheduler took its blocks back (it is back in the waiting queue,
 to be recomputed from scratch, keeping the tokens it already generated), and FINISHED with a reason:
 "stop" (end-of-sequence, a stop token or a stop string), "length" (max_tokens or the model's context
-length) or "abort". `admit`, `preempt` and `finish` are the only moves; any other raises
+length), "abort", or "timeout" (an abort because the request's deadline passed). `admit`, `preempt` and `finish` are the only moves; any other raises
 `IllegalTransition`. As in vLLM, a preempted request is admitted again straight from PREEMPTED.
 
 `num_computed_tokens` is the number of the request's tokens whose keys and values are in the KV cache.
@@ -47,6 +47,7 @@ class FinishReason(str, Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    TIMEOUT = "timeout"  # aborted because its deadline passed (the server's request timeout)
 
 
 class IllegalTransition(RuntimeError):
@@ -87,13 +88,14 @@ def preempt(req: Request) -> None:
 
 
 def finish(req: Request, reason: FinishReason) -> None:
-    """-> FINISHED with ``reason``: "stop" or "length" from RUNNING only, "abort" from any live state.
+    """-> FINISHED with ``reason``: "stop" or "length" from RUNNING only, "abort" or "timeout" from any live
+    state.
 
     Raises IllegalTransition for a finished request, or for "stop"/"length" on a request not running.
     """
     reason = FinishReason(reason)
     live = (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED)
-    allowed = live if reason is FinishReason.ABORT else (RequestStatus.RUNNING,)
+    allowed = live if reason in (FinishReason.ABORT, FinishReason.TIMEOUT) else (RequestStatus.RUNNING,)
     _move(req, allowed, RequestStatus.FINISHED, f"finish with {reason.value!r}")
     req.finish_reason = reason
 
@@ -226,7 +228,7 @@ class CompletionOutput:
     index: int
     text: str | None  # None when the engine has no tokenizer
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort", None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "timeout", None while running
     delta_text: str = ""  # text added since the previous streamed output
     delta_token_ids: list[int] = field(default_factory=list)
 

@@ -5,7 +5,7 @@ a string or a list of text parts), ``model``, ``max_tokens`` or its newer name `
 (default: as many as ``max_model_len`` leaves after the prompt, as vLLM does), ``temperature``,
 ``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``; vLLM's extras ``top_k``,
 ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``priority``, ``add_generation_prompt`` (default true)
-and ``chat_template_kwargs`` (more variables for the template). Unknown fields are ignored; fields
+and ``chat_template_kwargs`` (more variables for the template); nanolab's ``timeout`` (as for completions). Unknown fields are ignored; fields
 nanolab cannot honour (``n > 1``, ``logprobs``, penalties, ``logit_bias``, ``tools``) are refused.
 The messages are rendered with the model's chat template (`nanolab.engine.chat`).
 
@@ -30,6 +30,7 @@ from nanolab.serving.openai_protocol import (
     parse_priority,
     parse_sampling_params,
     parse_stream,
+    parse_timeout,
 )
 from nanolab.text.chat_template import ChatTemplateError, Message, normalize_messages
 
@@ -58,6 +59,7 @@ class ChatRequest:
     priority: int = 0
     add_generation_prompt: bool = True
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    timeout: float | None = None  # seconds before the request is aborted; None = the server's default
 
 
 def parse_chat_request(body: Any, model_name: str) -> ChatRequest:
@@ -99,6 +101,7 @@ def parse_chat_request(body: Any, model_name: str) -> ChatRequest:
         parse_priority(body),
         add_generation_prompt,
         template_kwargs,
+        parse_timeout(body),
     )
 
 

@@ -3,7 +3,8 @@
 Request (``POST /v1/completions``, JSON): ``prompt`` (a string, a list of strings, a list of token ids
 or a list of such lists), ``model``, ``max_tokens`` (default 16), ``temperature``, ``top_p``, ``seed``,
 ``stop``, ``stream``, ``stream_options.include_usage``; and vLLM's extras ``top_k``, ``min_p``,
-``stop_token_ids``, ``ignore_eos``, ``priority``. Unknown fields are ignored, as vLLM does; fields nanolab cannot
+``stop_token_ids``, ``ignore_eos``, ``priority``; and nanolab's ``timeout`` (seconds until the request is
+aborted with finish reason "timeout"; default: the server's ``--request-timeout``). Unknown fields are ignored, as vLLM does; fields nanolab cannot
 honour (``n > 1``, ``logprobs``, ``echo``, ``suffix``, penalties, ``logit_bias``) are refused.
 
 Response: ``{"id", "object": "text_completion", "created", "model", "choices": [{"index", "text",
@@ -17,6 +18,7 @@ Errors: ``{"error": {"message", "type", "param", "code"}}`` with HTTP 400 for ba
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -63,6 +65,7 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     priority: int = 0  # lower = sooner, with the engine's "priority" scheduling policy (vLLM's extra field)
+    timeout: float | None = None  # seconds before the request is aborted; None = the server's default
 
 
 def _is_int(x: Any) -> bool:
@@ -87,7 +90,9 @@ def parse_completion_request(body: Any, model_name: str) -> CompletionRequest:
     prompts = parse_prompts(body.get("prompt"))
     params = parse_sampling_params(body, _UNSUPPORTED)
     stream, include_usage = parse_stream(body)
-    return CompletionRequest(prompts, params, model_name, stream, include_usage, parse_priority(body))
+    return CompletionRequest(
+        prompts, params, model_name, stream, include_usage, parse_priority(body), parse_timeout(body)
+    )
 
 
 def check_body_and_model(body: Any, model_name: str) -> None:
@@ -143,6 +148,18 @@ def parse_priority(body: dict[str, Any]) -> int:
     if not _is_int(priority):
         raise InvalidRequest(f"priority must be an integer (lower = sooner), got {priority!r}", "priority")
     return priority
+
+
+def parse_timeout(body: dict[str, Any]) -> float | None:
+    """``timeout``: seconds from arrival until the request is aborted with finish reason "timeout"."""
+    timeout = body.get("timeout")
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise InvalidRequest(
+            f"timeout must be a number of seconds > 0 (the request's deadline), got {timeout!r}", "timeout"
+        )
+    return float(timeout)
 
 
 def new_completion_id() -> str:
