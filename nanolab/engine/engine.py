@@ -4,7 +4,8 @@ Each `step` does: schedule (which requests, how many tokens each) -> build the f
 out the paged KV cache -> one model forward for all of it -> sample one token for every request whose
 prompt is now fully computed -> append, detokenize, check stop conditions, release finished requests ->
 return the incremental outputs. Requests join and leave the batch at every step: that is continuous
-batching.
+batching. A request with ``n > 1`` samples is forked when its prompt is computed: the samples share the
+prompt's KV blocks, so the prompt is computed once (see `nanolab.engine.request.SampleGroup`).
 
 The engine is assembled from swappable parts, each behind a small protocol: the block allocator
 (`BlockAllocatorProtocol`), the prefix cache (`PrefixCacheProtocol`), the scheduler
@@ -15,6 +16,7 @@ step sends to its listeners and the `EngineStats` snapshot of `stats` (see `nano
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -24,7 +26,14 @@ import torch
 
 from nanolab.engine.config import EngineConfig
 from nanolab.engine.prompt import Prompt, PromptProcessor, as_prompt_list
-from nanolab.engine.request import FinishReason, Request, RequestOutput, RequestStatus, finish
+from nanolab.engine.request import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SampleGroup,
+    finish,
+)
 from nanolab.engine.scheduler import Scheduler, SchedulerProtocol
 from nanolab.engine.stats import EngineStats, StepListener, StepRecord
 from nanolab.memory.block_allocator import BlockAllocator, BlockAllocatorProtocol
@@ -32,7 +41,7 @@ from nanolab.memory.block_manager import BlockManager
 from nanolab.memory.paged_kv_cache import PagedKVCache, SeqSlice
 from nanolab.memory.prefix_cache import PrefixCacheProtocol
 from nanolab.memory.radix_cache import RadixCache
-from nanolab.model.sampling import SamplingParams, sample
+from nanolab.model.sampling import SamplingParams, sample, token_logprobs
 from nanolab.model.transformer import Transformer
 
 
@@ -78,7 +87,8 @@ class Engine:
             model.config, cfg.num_blocks, cfg.block_size, attention_backend=cfg.attention_backend.value
         )
         self.scheduler = _build(scheduler, Scheduler, cfg, self.block_manager)
-        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.requests: dict[str, Request] = {}  # unfinished requests (and samples) by id
+        self.groups: dict[str, SampleGroup] = {}  # unfinished parallel-sampling requests by id
         self._ids = itertools.count()
         self.listeners = tuple(listeners)
         self.prompts = PromptProcessor(tokenizer, model.config.vocab_size, cfg)
@@ -125,14 +135,30 @@ class Engine:
         taken = [rid for rid in request_ids if rid in self.requests]
         if taken or len(set(request_ids)) != n:
             raise ValueError(f"request id {(taken or request_ids)[0]!r} is already in use")
+        for sp in params:
+            self._check_params(sp)
         processed = self.prompts.process(items, params)
         requests = []
         for (ids, text), sp, prio, rid in zip(processed, params, priorities, request_ids):
             req = Request(rid, ids, sp, prompt=text, priority=prio, token_bytes=self._token_bytes)
             self.requests[rid] = req
+            if req.group is not None:
+                self.groups[rid] = req.group
             self.scheduler.add(req)
             requests.append(req)
         return requests
+
+    def _check_params(self, sp: SamplingParams) -> None:
+        """What `SamplingParams` cannot check alone: token ids in the vocabulary, a scheduler that forks."""
+        vocab = self.model.config.vocab_size
+        bad = [t for t in sp.logit_bias or () if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias names token id {bad[0]} but the vocabulary has {vocab} tokens")
+        if sp.n > 1 and not callable(getattr(self.scheduler, "fork", None)):
+            raise ValueError(
+                f"n={sp.n} needs a scheduler with a fork(parent, child) method; "
+                f"{type(self.scheduler).__name__} has none"
+            )
 
     def add_request(
         self,
@@ -153,12 +179,19 @@ class Engine:
         reason = FinishReason(reason)
         if reason not in (FinishReason.ABORT, FinishReason.TIMEOUT):
             raise ValueError(f"an abort's reason is 'abort' or 'timeout', got {reason.value!r}")
+        group = self.groups.get(request_id)
         req = self.requests.get(request_id)
-        if req is None or req.is_finished:
+        live = [s for s in group.samples if not s.is_finished] if group is not None else [req] if req else []
+        if not live:
             return None
-        self.scheduler.abort(req)
-        self._finish(req, reason, release=False)
-        return RequestOutput.of(req, self.tokenizer is not None)
+        for r in live:
+            self.scheduler.abort(r)
+            self._finish(r, reason, release=False)
+        if group is None:
+            return RequestOutput.of(live[0], self.tokenizer is not None)
+        group.n = len(group.samples)  # aborted before it forked: no more samples will come
+        del self.groups[request_id]
+        return RequestOutput.of_group(group, live, self.tokenizer is not None)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -182,7 +215,8 @@ class Engine:
         except Exception as exc:
             waiting = [r for r in self.requests.values() if r.status != RequestStatus.RUNNING]
             victims = self._in_flight if self._in_flight is not None else waiting
-            outputs = [out for r in victims if (out := self.abort(r.request_id)) is not None]
+            ids = dict.fromkeys(r.group.request_id if r.group else r.request_id for r in victims)
+            outputs = [out for rid in ids if (out := self.abort(rid)) is not None]
             raise EngineStepError(
                 f"the engine step failed ({type(exc).__name__}: {exc}); {len(outputs)} request(s) were aborted",
                 outputs,
@@ -212,21 +246,42 @@ class Engine:
                 sample_rows.append(row - 1)
                 to_sample.append(r)
                 prefilled.append(n > 1)  # this step computed (the end of) a prompt, not a decode
+        self.kv_cache.copy_blocks(getattr(out, "blocks_to_copy", ()))  # copy-on-write, before any write
         positions = self.kv_cache.prepare(seqs)
         t1 = time.perf_counter()
         hidden = self.model(torch.tensor(ids, dtype=torch.long), positions, self.kv_cache)
         logits = self.model.compute_logits(hidden[sample_rows]) if to_sample else None
         t2 = time.perf_counter()  # the model's share of the step ends here
-        next_ids: list[int] = []
-        if to_sample:
-            gens = [r.generator for r in to_sample]
-            next_ids = sample(logits, [r.sampling_params for r in to_sample], gens).tolist()
-
         for r, n in batch:
             r.num_computed_tokens += n
+        if any(r.samples_to_fork for r in to_sample):  # prompts of n > 1 requests done: fork them
+            rows = []
+            for i, r in enumerate(list(to_sample)):
+                forks = self._fork(r)
+                to_sample += forks
+                prefilled += [False] * len(forks)  # the parent offers the prompt to the prefix cache
+                rows += [i] * len(forks)
+            logits = torch.cat([logits, logits[rows]])  # each sample draws its first token from the prompt's
+        next_ids: list[int] = []
+        if to_sample:
+            params = [r.sampling_params for r in to_sample]
+            gens = [r.generator for r in to_sample]
+            histories = None
+            if any(p.adjusts_logits for p in params):
+                histories = [(r.prompt_token_ids, r.output_token_ids) for r in to_sample]
+            next_ids = sample(logits, params, gens, histories).tolist()
+            wanted = [b for b, p in enumerate(params) if p.logprobs is not None]
+            if wanted:
+                ranked = token_logprobs(
+                    logits[wanted], [next_ids[b] for b in wanted], [params[b].logprobs for b in wanted]
+                )
+                for b, lp in zip(wanted, ranked):
+                    to_sample[b].output_logprobs.append(lp)
+
         now = time.monotonic()
         outputs = []
         has_text = self.tokenizer is not None
+        changed: dict[str, list[Request]] = {}  # parallel-sampling requests: their samples with news
         for r, tok, was_prefill in zip(to_sample, next_ids, prefilled):
             if r.first_token_time is None:
                 r.first_token_time = now
@@ -236,8 +291,16 @@ class Engine:
                 self._finish(r, reason)
             elif was_prefill:
                 self.block_manager.cache_computed(r)  # share the prompt with requests admitted from now on
-            if reason is not None or not finished_only:
+            if r.group is not None:
+                changed.setdefault(r.group.request_id, []).append(r)
+            elif reason is not None or not finished_only:
                 outputs.append(RequestOutput.of(r, has_text))
+        for gid, samples in changed.items():
+            group = self.groups[gid]
+            if group.finished:
+                del self.groups[gid]
+            if group.finished or not finished_only:
+                outputs.append(RequestOutput.of_group(group, samples, has_text))
 
         step_seconds = time.perf_counter() - t0
         record = StepRecord(len(batch), out.num_tokens, len(next_ids), t2 - t1, step_seconds)
@@ -251,6 +314,32 @@ class Engine:
         for listener in self.listeners:
             listener(record)
         return outputs
+
+    def _fork(self, parent: Request) -> list[Request]:
+        """The further samples of ``parent`` (none unless its n > 1 prompt was just computed), running and
+        sharing its KV blocks. Sample i's seed is the request's seed + i (vLLM's rule)."""
+        group, forks = parent.group, []
+        if not parent.samples_to_fork:
+            return forks
+        seed = parent.sampling_params.seed
+        for i in range(len(group.samples), group.n):
+            params = dataclasses.replace(parent.sampling_params, n=1, seed=None if seed is None else seed + i)
+            child = Request(
+                group.sample_id(i),
+                parent.prompt_token_ids,
+                params,
+                prompt=parent.prompt,
+                priority=parent.priority,
+                arrival_time=parent.arrival_time,
+                token_bytes=self._token_bytes,
+                group=group,
+                sample_index=i,
+            )
+            group.samples.append(child)
+            self.requests[child.request_id] = child
+            self.scheduler.fork(parent, child)
+            forks.append(child)
+        return forks
 
     def _stop_reason(self, r: Request, tok: int) -> FinishReason | None:
         p = r.sampling_params

@@ -17,7 +17,12 @@ length), "abort", or "timeout" (an abort because the request's deadline passed).
 Prefill is over once it reaches the prompt length; each decode step then adds one. Preemption resets it
 to 0 (recompute), and the prefix cache may start it above 0.
 
-Deliberately left out: beam search and parallel sampling (n > 1), logprobs, LoRA adapters.
+Parallel sampling (``n > 1``): the request is sample 0 of a `SampleGroup`. Once its prompt is computed,
+the engine forks it into ``n - 1`` more samples that share the prompt's KV blocks (see
+`nanolab.memory.block_manager.BlockManager.fork`); each is a `Request` of its own from then on, and the
+group's outputs carry one `CompletionOutput` per sample.
+
+Deliberately left out: beam search, LoRA adapters.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any
 
 import torch
 
-from nanolab.model.sampling import SamplingParams, make_generator
+from nanolab.model.sampling import SamplingParams, TokenLogprob, make_generator
 
 
 class RequestStatus(str, Enum):
@@ -126,6 +131,10 @@ class Request:
     finish_time: float | None = None
     generator: torch.Generator | None = None
 
+    group: SampleGroup | None = None  # the n samples this request is one of (None when n == 1)
+    sample_index: int = 0  # which sample of its group (its CompletionOutput's index)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # with SamplingParams.logprobs
+
     # Each token id's bytes (None: a special token, no text), shared by every request of an engine;
     # None when the engine has no tokenizer. `output_text` decodes through it.
     token_bytes: Sequence[bytes | None] | None = None
@@ -137,11 +146,19 @@ class Request:
 
     def __post_init__(self) -> None:
         self.generator = make_generator(self.sampling_params.seed)
+        if self.sampling_params.n > 1 and self.group is None:
+            self.group = SampleGroup(self.request_id, self.sampling_params.n, [self])
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def samples_to_fork(self) -> int:
+        """How many more samples this request forks into once its prompt is computed (n - 1, then 0)."""
+        g = self.group
+        return g.n - len(g.samples) if g is not None and self.sample_index == 0 else 0
 
     @property
     def num_tokens(self) -> int:
@@ -196,6 +213,22 @@ class Request:
         self._text = text
 
 
+@dataclass(eq=False)
+class SampleGroup:
+    """The ``n`` samples of one request: sample 0 computes the prompt, then forks into the others."""
+
+    request_id: str  # the request's id (sample 0's); the other samples' ids add "#<index>"
+    n: int  # samples in all (lowered to those that exist if the group is aborted before it forks)
+    samples: list[Request]
+
+    @property
+    def finished(self) -> bool:
+        return len(self.samples) == self.n and all(s.is_finished for s in self.samples)
+
+    def sample_id(self, index: int) -> str:
+        return f"{self.request_id}#{index}"
+
+
 @dataclass(frozen=True)
 class RequestMetrics:
     """Timing of one request, in seconds (time.monotonic clock)."""
@@ -223,14 +256,16 @@ class RequestMetrics:
 
 @dataclass
 class CompletionOutput:
-    """One generated continuation (nanolab always generates one per request)."""
+    """One generated continuation: a request has one per sample (``SamplingParams.n``)."""
 
-    index: int
+    index: int  # the sample's index, 0 .. n - 1
     text: str | None  # None when the engine has no tokenizer
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort" | "timeout", None while running
     delta_text: str = ""  # text added since the previous streamed output
     delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, with SamplingParams.logprobs
+    delta_logprobs: list[TokenLogprob] | None = None  # those of delta_token_ids
 
 
 @dataclass
@@ -251,29 +286,50 @@ class RequestOutput:
         While a request runs, the last ``len(longest stop string) - 1`` characters are held back from
         ``delta_text``: they might be the start of a stop string that must not be shown.
         """
-        visible = len(req.output_text)
-        if not req.is_finished and req.sampling_params.stop:
-            visible = max(req._emitted_text, visible - (max(map(len, req.sampling_params.stop)) - 1))
-        new_text = req.output_text[req._emitted_text : visible]
-        new_ids = req.output_token_ids[req._emitted_tokens :]
-        req._emitted_text, req._emitted_tokens = visible, len(req.output_token_ids)
-        completion = CompletionOutput(
-            index=0,
-            text=req.output_text if has_text else None,
-            token_ids=list(req.output_token_ids),
-            finish_reason=req.finish_reason.value if req.finish_reason else None,
-            delta_text=new_text if has_text else "",
-            delta_token_ids=new_ids,
-        )
+        return cls._build(req, [_completion(req, has_text)], req.is_finished, len(req.output_token_ids))
+
+    @classmethod
+    def of_group(cls, group: SampleGroup, changed: Sequence[Request], has_text: bool) -> RequestOutput:
+        """A parallel-sampling request's output: a `CompletionOutput` for each sample in ``changed`` (by
+        index), or for every sample once the group has finished. Its metrics count every sample's tokens."""
+        samples = group.samples if group.finished else sorted(changed, key=lambda s: s.sample_index)
+        completions = [_completion(s, has_text) for s in samples]
+        num_output = sum(len(s.output_token_ids) for s in group.samples)
+        return cls._build(group.samples[0], completions, group.finished, num_output)
+
+    @classmethod
+    def _build(
+        cls, req: Request, completions: list[CompletionOutput], finished: bool, num_output: int
+    ) -> RequestOutput:
         metrics = RequestMetrics(
             arrival_time=req.arrival_time,
             first_token_time=req.first_token_time,
             finish_time=req.finish_time,
             num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=len(req.output_token_ids),
+            num_output_tokens=num_output,
             num_cached_tokens=req.num_cached_tokens,
             num_preemptions=req.num_preemptions,
         )
-        return cls(
-            req.request_id, req.prompt, list(req.prompt_token_ids), [completion], req.is_finished, metrics
-        )
+        rid = req.group.request_id if req.group is not None else req.request_id
+        return cls(rid, req.prompt, list(req.prompt_token_ids), completions, finished, metrics)
+
+
+def _completion(req: Request, has_text: bool) -> CompletionOutput:
+    """One sample's `CompletionOutput`; its deltas are what no earlier call returned (see `RequestOutput.of`)."""
+    visible = len(req.output_text)
+    if not req.is_finished and req.sampling_params.stop:
+        visible = max(req._emitted_text, visible - (max(map(len, req.sampling_params.stop)) - 1))
+    new_text = req.output_text[req._emitted_text : visible]
+    first_new = req._emitted_tokens
+    req._emitted_text, req._emitted_tokens = visible, len(req.output_token_ids)
+    with_logprobs = req.sampling_params.logprobs is not None
+    return CompletionOutput(
+        index=req.sample_index,
+        text=req.output_text if has_text else None,
+        token_ids=list(req.output_token_ids),
+        finish_reason=req.finish_reason.value if req.finish_reason else None,
+        delta_text=new_text if has_text else "",
+        delta_token_ids=req.output_token_ids[first_new:],
+        logprobs=list(req.output_logprobs) if with_logprobs else None,
+        delta_logprobs=req.output_logprobs[first_new:] if with_logprobs else None,
+    )

@@ -14,6 +14,12 @@ entries), the scheduler preempts the least important running request that is not
 lowest priority, then most recently admitted — freeing its blocks; it will be recomputed from scratch
 (its output so far is kept). Waiting requests never preempt running ones.
 
+Parallel sampling: a request with ``n > 1`` samples is admitted only when ``max_num_seqs`` has a seat for
+each of them; once its prompt is computed the engine calls `Scheduler.fork` for each further sample,
+which joins the running requests sharing the prompt's KV blocks. A sample about to write into a block it
+shares gets its own copy first (copy-on-write): the step's ``blocks_to_copy`` tells the engine which
+blocks' keys and values to copy before the forward.
+
 Policies order the waiting queue: "fcfs" (arrival), "priority" (lower value first; every
 ``aging_steps`` steps waited lowers the effective value by one, so nothing starves) and "shortest"
 (fewest tokens to prefill first; can starve long prompts under constant load — that is the lesson).
@@ -41,6 +47,7 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
 
     @property
     def num_tokens(self) -> int:
@@ -162,8 +169,26 @@ class Scheduler:
                 f"request {req.request_id!r} needs {self.block_manager.num_blocks_for(tokens)} KV blocks "
                 f"for its {tokens} tokens but the pool has num_blocks={self.block_manager.num_total_blocks}"
             )
+        if req.samples_to_fork and req.sampling_params.n > cfg.max_num_seqs:
+            raise ValueError(
+                f"request {req.request_id!r} asks for n={req.sampling_params.n} samples but at most "
+                f"max_num_seqs={cfg.max_num_seqs} sequences run at once"
+            )
         req.arrival_step = self.step_count
         self.waiting.append(req)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Start ``child``, a further sample of ``parent``'s prompt, sharing the parent's KV blocks.
+
+        Called by the engine once the parent's prompt is computed; the child runs from then on (its seat
+        was reserved when the parent was admitted).
+        """
+        self.block_manager.fork(parent, child)
+        admit(child)
+        self._admissions += 1
+        child.admitted_seq = self._admissions
+        child.arrival_step = parent.arrival_step
+        self.running.append(child)
 
     def finish(self, req: Request) -> None:
         self.running.remove(req)
@@ -182,14 +207,20 @@ class Scheduler:
     def _make_room(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Grow ``req`` by ``num_new`` tokens, preempting less important unscheduled requests if needed.
 
-        Returns False (and preempts ``req`` itself) when no such victim is left.
+        A sample of a parallel-sampling group also gets private copies of the shared blocks those tokens
+        go into (copy-on-write; the copies are added to ``out.blocks_to_copy``). Returns False (and
+        preempts ``req`` itself) when no victim is left.
         """
-        while not self.block_manager.grow(req, num_new):
+        while True:
+            if self.block_manager.grow(req, num_new):
+                copies = self.block_manager.copy_on_write(req, num_new) if req.group is not None else []
+                if copies is not None:
+                    out.blocks_to_copy += copies
+                    return True
             victim = choose_victim(self.running, [s.request for s in out.scheduled], req)
             self._preempt(victim, out)
             if victim is req:
                 return False
-        return True
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
@@ -223,8 +254,11 @@ class Scheduler:
 
         # 3. waiting requests, in policy order.
         self.waiting = waiting_order(self.waiting, cfg.scheduling_policy, self.step_count, cfg.aging_steps)
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        seats = len(self.running) + sum(r.samples_to_fork for r in self.running)  # forks to come included
+        while self.waiting and budget > 0 and seats < cfg.max_num_seqs:
             req = self.waiting[0]
+            if seats + 1 + req.samples_to_fork > cfg.max_num_seqs:
+                break  # its samples need more seats than are free: it waits for them
             if not cfg.enable_chunked_prefill and req.remaining_prefill() > budget:
                 break  # the prompt must go in one step; it waits for a step with room
             num_new = self.block_manager.admit(req, budget if cfg.enable_chunked_prefill else None)
@@ -235,6 +269,7 @@ class Scheduler:
             self._admissions += 1
             req.admitted_seq = self._admissions
             self.running.append(req)
+            seats += 1 + req.samples_to_fork
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
 

@@ -1,19 +1,27 @@
-"""Choosing the next token from logits: greedy, temperature, top-k, top-p (nucleus) and min-p.
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p (nucleus) and min-p, after
+logit bias and repetition, frequency and presence penalties; and the log-probabilities of the choice.
 
 `SamplingParams` carries one request's settings, with vLLM's field names. `sample` picks one token per row
 of a batch of logits, each row with its own parameters and its own random generator: a request's sampled
-tokens depend only on its logits, its parameters and its seed, never on what else is in the batch.
+tokens depend only on its logits, its parameters, its own tokens and its seed, never on what else is in
+the batch.
 
-The filters run in Hugging Face's order — temperature, then top-k, then top-p, then min-p — and keep the
-same tokens as HF's logits warpers (`filter_logits` exposes the result for tests and plots).
+The order is vLLM's: `adjust_logits` adds the logit bias, then applies the repetition penalty (to every
+token seen in the prompt or the output), then the frequency and presence penalties (to tokens of the
+output); greedy takes the argmax of the result, and sampling filters it in Hugging Face's order —
+temperature, then top-k, then top-p, then min-p — keeping the same tokens as HF's logits warpers
+(`filter_logits` exposes the result for tests and plots). `token_logprobs` reports log-probabilities of
+the model's own distribution (before bias, penalties and filters), as vLLM does by default.
 
-Deliberately left out: repetition/frequency penalties, logit bias, beam search, logprobs.
+Deliberately left out: beam search, ``best_of``, bad words, allowed token lists.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 
@@ -39,6 +47,14 @@ class SamplingParams:
     stop: list[str] | None = None  # stop when the output text contains one of these (excluded from the text)
     stop_token_ids: list[int] | None = None  # stop after generating one of these token ids
     ignore_eos: bool = False  # keep going past the end-of-sequence token
+    n: int = 1  # samples of the same prompt (the prompt is computed once; sample i is seeded seed + i)
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already in the output
+    frequency_penalty: float = 0.0  # subtracted once per occurrence of the token in the output
+    repetition_penalty: float = (
+        1.0  # a seen token's logit is divided by it (> 0) or multiplied (< 0); 1 = off
+    )
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before anything else
+    logprobs: int | None = None  # report each output token's log-probability and this many top ones
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -67,6 +83,47 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", list(ids))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1 (samples per prompt), got {self.n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2] (0 = off), got {value!r}")
+        rp = self.repetition_penalty
+        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not 0 < rp < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {rp!r}")
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            if not isinstance(bias, dict) or not all(
+                _is_int(k)
+                and k >= 0
+                and not isinstance(v, bool)
+                and isinstance(v, (int, float))
+                and -100 <= v <= 100
+                for k, v in bias.items()
+            ):
+                raise ValueError(
+                    f"logit_bias must map token ids (integers >= 0) to numbers in [-100, 100], got {bias!r}"
+                )
+            object.__setattr__(self, "logit_bias", {k: float(v) for k, v in bias.items()} or None)
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            raise ValueError(
+                f"logprobs must be None (off) or an integer in [0, 20] (how many top tokens to report "
+                f"besides the chosen one), got {self.logprobs!r}"
+            )
+
+    def __hash__(self) -> int:  # the generated hash would fail on the lists and the logit_bias dict
+        def frozen(v: object) -> object:
+            return tuple(v) if isinstance(v, list) else frozenset(v.items()) if isinstance(v, dict) else v
+
+        return hash(tuple(frozen(getattr(self, f.name)) for f in fields(self)))
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when logit bias or a penalty changes the logits before the choice."""
+        return bool(
+            self.logit_bias or self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+        )
 
     @property
     def greedy(self) -> bool:
@@ -78,6 +135,67 @@ def make_generator(seed: int | None) -> torch.Generator | None:
     if seed is None:
         return None
     return torch.Generator().manual_seed(seed)
+
+
+class TokenLogprob(NamedTuple):
+    """One output token's log-probability under the model, and the ``logprobs`` most likely tokens'."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, log-probability), most likely first
+
+
+def adjust_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None,
+) -> torch.Tensor:
+    """(B, V) logits with each row's logit bias and penalties applied (the same tensor if none has any).
+
+    ``histories[b]`` is row b's (prompt token ids, output token ids): the repetition penalty acts on the
+    tokens of both, the frequency and presence penalties on the output's. Rows are changed one by one from
+    their own tokens and parameters, so a row's result does not depend on the others.
+    """
+    rows = [b for b, p in enumerate(params) if p.adjusts_logits]
+    if not rows:
+        return logits
+    if histories is None or len(histories) != len(params):
+        raise ValueError("penalties need each row's (prompt token ids, output token ids) in histories")
+    out = logits.float().clone()
+    device, V = out.device, out.shape[1]
+    for b in rows:
+        p, row = params[b], out[b]
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=device)
+            if int(ids.max()) >= V:
+                raise ValueError(f"logit_bias names token id {int(ids.max())} but the vocabulary has {V}")
+            row[ids] += torch.tensor(list(p.logit_bias.values()), device=device)
+        prompt, output = histories[b]
+        if p.repetition_penalty != 1:
+            seen = torch.tensor(sorted({*prompt, *output}), dtype=torch.long, device=device)
+            x = row[seen]
+            row[seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and output:
+            ids, counts = torch.tensor(list(output), dtype=torch.long, device=device).unique(
+                return_counts=True
+            )
+            row[ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
+    return out
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequence[int]
+) -> list[TokenLogprob]:
+    """Each row's chosen token's log-probability under softmax(logits), and its ``num_top[b]`` best."""
+    logp = logits.float().log_softmax(dim=-1)
+    chosen = logp[torch.arange(len(token_ids)), torch.tensor(list(token_ids), dtype=torch.long)].tolist()
+    k = max(num_top, default=0)
+    top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    return [
+        TokenLogprob(int(t), lp, tuple(zip(top_ids[b][: num_top[b]], top_lp[b][: num_top[b]])))
+        for b, (t, lp) in enumerate(zip(token_ids, chosen))
+    ]
 
 
 def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -145,17 +263,22 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
 ) -> torch.Tensor:
     """One token id per row of (B, V) logits -> (B,) int64.
 
-    Greedy rows take the exact argmax. Other rows draw from softmax(`filter_logits`) with the Gumbel-max
+    Logit bias and penalties come first (`adjust_logits`; ``histories`` is needed only when a row has a
+    penalty). Greedy rows take the exact argmax. Other rows draw from softmax(`filter_logits`) with the Gumbel-max
     trick: the winner is argmax(logits_i + G_i) with G_i = -log(-log U_i), U_i uniform, which picks i
     with probability softmax(logits)_i. Row b's U comes from ``generators[b]`` (torch's global generator
     when None), so seeded output does not depend on what else is in the batch.
     """
     if len(generators) != len(params):
         raise ValueError(f"got {len(params)} SamplingParams but {len(generators)} generators")
+    logits = adjust_logits(logits, params, histories)
     result = argmax(logits)
     rows = [b for b, p in enumerate(params) if not p.greedy]
     if not rows:
