@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -17,6 +18,28 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="checkpoint directory or bundled model name (default: the bundled model)",
     )
     EngineConfig.add_cli_args(p)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a number of seconds > 0 (finite)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -151,6 +174,22 @@ def build_parser(engine_args: bool = True) -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    serve.add_argument(
+        "--request-timeout",
+        type=positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="abort a request still unfinished this long after it arrived; it is answered with the text "
+        'so far and finish_reason "timeout" (a request\'s "timeout" field overrides it; default: no limit)',
+    )
+    serve.add_argument(
+        "--max-waiting",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="refuse new requests with HTTP 503 and a Retry-After header while N requests wait to be "
+        "admitted, instead of queueing them (default: no limit)",
     )
     add_engine(serve)
     serve.set_defaults(func=_cmd_serve)

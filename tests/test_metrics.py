@@ -1,95 +1,175 @@
-"""Tests of the hand-written Prometheus exposition (`nanolab.serving.metrics`), against prometheus_client's parser."""
+"""Tests of the server's metrics (`nanolab.serving.metrics`): prometheus_client metrics in a registry of
+their own, read back through prometheus_client's parser."""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
+import prometheus_client
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client import parser
 
-from nanolab.serving.metrics import Counter, Gauge, Histogram, Registry, ServerMetrics, format_value
+from nanolab.serving.metrics import CONTENT_TYPE, LATENCY_BUCKETS, ServerMetrics
 
-parser = pytest.importorskip("prometheus_client.parser")
+# Every family /metrics exports: (name as the parser names it, type, label names of its main samples).
+FAMILIES = {
+    "nanolab_requests": ("counter", ("status",)),
+    "nanolab_prompt_tokens": ("counter", ()),
+    "nanolab_generation_tokens": ("counter", ()),
+    "nanolab_time_to_first_token_seconds": ("histogram", ()),
+    "nanolab_inter_token_latency_seconds": ("histogram", ()),
+    "nanolab_e2e_request_latency_seconds": ("histogram", ()),
+    "nanolab_batch_size": ("histogram", ()),
+    "nanolab_engine_steps": ("counter", ()),
+    "nanolab_engine_step_seconds": ("counter", ()),
+    "nanolab_engine_step_errors": ("counter", ()),
+    "nanolab_mean_batch_size": ("gauge", ()),
+    "nanolab_requests_running": ("gauge", ()),
+    "nanolab_requests_waiting": ("gauge", ()),
+    "nanolab_requests_waiting_max": ("gauge", ()),
+    "nanolab_kv_blocks_total": ("gauge", ()),
+    "nanolab_kv_blocks_free": ("gauge", ()),
+    "nanolab_kv_blocks_cached": ("gauge", ()),
+    "nanolab_kv_block_usage": ("gauge", ()),
+    "nanolab_prefix_cache_hit_rate": ("gauge", ()),
+}
 
-BOUNDS = (0.01, 0.1, 1.0, 10.0)
 
-
-def parse(text: str) -> dict:
+def parse(m: ServerMetrics) -> dict:
+    text = m.render().decode()
     return {f.name: f for f in parser.text_string_to_metric_families(text)}
+
+
+def output(n_new: int, finish_reason: str | None = None) -> SimpleNamespace:
+    """What `observe_output` reads of a `RequestOutput`."""
+    choice = SimpleNamespace(delta_token_ids=[7] * n_new, finish_reason=finish_reason)
+    return SimpleNamespace(outputs=[choice], finished=finish_reason is not None)
+
+
+def requests_by_status(m: ServerMetrics) -> dict[str, float]:
+    family = parse(m)["nanolab_requests"]
+    return {s.labels["status"]: s.value for s in family.samples if s.name == "nanolab_requests_total"}
+
+
+def test_every_family_has_its_name_type_help_and_labels_and_no_created_series() -> None:
+    m = ServerMetrics()
+    m.requests.labels(status="stop").inc()
+    m.ttft.observe(0.2)
+    m.batch_size.observe(3)
+    text = m.render().decode()
+    families = parse(m)
+    assert set(families) == set(FAMILIES)
+    for name, (kind, labelnames) in FAMILIES.items():
+        family = families[name]
+        assert family.type == kind, name
+        assert family.documentation, name
+        main = [s for s in family.samples if not s.name.endswith(("_bucket", "_sum", "_count"))]
+        assert all(tuple(s.labels) == labelnames for s in main), name
+    assert "_created" not in text
+    assert "# TYPE nanolab_requests_total counter" in text  # counters keep their _total name in the text
+    assert CONTENT_TYPE == m.content_type and CONTENT_TYPE.startswith("text/plain; version=0.0.4")
+
+
+def test_created_series_are_left_out_without_changing_other_exporters_in_the_process() -> None:
+    """`disable_created_metrics()` is global; nanolab filters its own output instead."""
+    ServerMetrics().render()
+    other = prometheus_client.CollectorRegistry()
+    prometheus_client.Counter("other_total", "Another exporter's counter.", registry=other).inc()
+    assert b"other_created" in prometheus_client.generate_latest(other)
+
+
+def test_each_server_metrics_has_its_own_registry_and_the_global_one_is_untouched() -> None:
+    a, b = ServerMetrics(), ServerMetrics()
+    a.requests.labels(status="stop").inc(3)
+    assert requests_by_status(a) == {"stop": 3} and requests_by_status(b) == {}
+    assert prometheus_client.REGISTRY.get_sample_value("nanolab_prompt_tokens_total") is None
 
 
 @given(st.lists(st.floats(min_value=0, max_value=100, allow_nan=False), max_size=50))
 def test_histogram_buckets_are_cumulative_counts_of_observations_at_most_their_bound(
     values: list[float],
 ) -> None:
-    h = Histogram("lat_seconds", "Latency.", BOUNDS)
+    m = ServerMetrics()
     for v in values:
-        h.observe(v)
-    family = parse(h.render())["lat_seconds"]
-    assert family.type == "histogram"
-    buckets = {s.labels["le"]: s.value for s in family.samples if s.name == "lat_seconds_bucket"}
-    for bound in BOUNDS:
-        assert buckets[format_value(bound)] == sum(v <= bound for v in values)
-    assert buckets["+Inf"] == len(values)
-    total = next(s.value for s in family.samples if s.name == "lat_seconds_sum")
-    count = next(s.value for s in family.samples if s.name == "lat_seconds_count")
+        m.ttft.observe(v)
+    family = parse(m)["nanolab_time_to_first_token_seconds"]
+    samples = family.samples
+    buckets = [(s.labels["le"], s.value) for s in samples if s.name.endswith("_bucket")]
+    assert [float(le) for le, _ in buckets] == [*LATENCY_BUCKETS, math.inf]
+    for le, count in buckets:
+        assert count == sum(v <= float(le) for v in values)
+    counts = [c for _, c in buckets]
+    assert counts == sorted(counts) and counts[-1] == len(values)
+    total = next(s.value for s in samples if s.name.endswith("_sum"))
+    count = next(s.value for s in samples if s.name.endswith("_count"))
     assert count == len(values) and math.isclose(total, sum(values), rel_tol=1e-9, abs_tol=1e-9)
 
 
 def test_an_observation_on_a_bound_falls_in_that_bucket() -> None:
-    h = Histogram("x", "X.", (1, 2))
-    h.observe(1.0)
-    lines = h.render().splitlines()
-    assert (
-        'x_bucket{le="1"} 1' in lines and 'x_bucket{le="2"} 1' in lines and 'x_bucket{le="+Inf"} 1' in lines
-    )
-
-
-def test_labelled_counter_renders_one_sample_per_label_value_with_help_and_type() -> None:
-    c = Counter("requests_total", 'Requests "by" status.\nSecond line.', ["status"])
-    c.inc(status="stop")
-    c.inc(2, status="length")
-    c.inc(status='odd "value"\\')
-    text = c.render()
-    assert text.startswith("# HELP requests_total ") and "\n# TYPE requests_total counter\n" in text
-    family = parse(text)["requests"]  # the parser drops the _total suffix of counters
-    values = {s.labels["status"]: s.value for s in family.samples if s.name == "requests_total"}
-    assert values == {"stop": 1, "length": 2, 'odd "value"\\': 1}
-    assert family.documentation == 'Requests "by" status.\nSecond line.'
-
-
-def test_counters_only_go_up_and_labels_must_match() -> None:
-    c = Counter("c_total", "C.", ["status"])
-    with pytest.raises(ValueError, match="only goes up"):
-        c.inc(-1, status="x")
-    with pytest.raises(ValueError, match="takes labels"):
-        c.inc(1, reason="x")
-
-
-def test_gauge_keeps_the_last_value_and_values_format_like_prometheus() -> None:
-    g = Gauge("g", "G.")
-    g.set(3)
-    g.set(0.25)
-    assert "g 0.25\n" in g.render()
-    assert [format_value(v) for v in (1.0, 2.5, math.inf, -math.inf, math.nan)] == [
-        "1",
-        "2.5",
-        "+Inf",
-        "-Inf",
-        "NaN",
-    ]
-
-
-def test_registry_refuses_duplicate_names_and_server_metrics_parse() -> None:
-    r = Registry()
-    r.counter("a_total", "A.")
-    with pytest.raises(ValueError, match="already registered"):
-        r.gauge("a_total", "A again.")
     m = ServerMetrics()
-    m.ttft.observe(0.2)
-    m.requests.inc(status="stop")
-    families = parse(m.render())
-    assert families["nanolab_time_to_first_token_seconds"].type == "histogram"
-    assert families["nanolab_kv_blocks_free"].type == "gauge"
-    assert all(f.documentation for f in families.values())
+    m.batch_size.observe(2)
+    family = parse(m)["nanolab_batch_size"]
+    buckets = {s.labels["le"]: s.value for s in family.samples if s.name.endswith("_bucket")}
+    assert (buckets["1.0"], buckets["2.0"], buckets["4.0"], buckets["+Inf"]) == (0, 1, 1, 1)
+
+
+def test_outputs_count_tokens_latencies_and_requests_by_finish_reason() -> None:
+    m = ServerMetrics()
+    m.observe_output(output(1), arrival=0.0, last_token_time=None, now=0.5)  # first token: ttft 0.5
+    m.observe_output(output(2), arrival=0.0, last_token_time=0.5, now=0.7)  # two tokens: itl 0.1 each
+    m.observe_output(output(1, "timeout"), arrival=0.0, last_token_time=0.7, now=1.0)  # its deadline
+    m.observe_output(output(0, "stop"), arrival=0.0, last_token_time=None, now=2.0)
+    m.requests.labels(status="overloaded").inc()
+    families = parse(m)
+
+    def value(family: str, sample: str) -> float:
+        return next(s.value for s in families[family].samples if s.name == sample)
+
+    assert value("nanolab_generation_tokens", "nanolab_generation_tokens_total") == 4
+    assert value("nanolab_time_to_first_token_seconds", "nanolab_time_to_first_token_seconds_count") == 1
+    assert value("nanolab_inter_token_latency_seconds", "nanolab_inter_token_latency_seconds_count") == 3
+    assert value("nanolab_e2e_request_latency_seconds", "nanolab_e2e_request_latency_seconds_sum") == 3.0
+    assert requests_by_status(m) == {"timeout": 1, "stop": 1, "overloaded": 1}
+
+
+def test_engine_stats_land_in_the_gauges_and_max_waiting_is_inf_without_a_limit() -> None:
+    m = ServerMetrics()
+    stats = SimpleNamespace(
+        mean_batch_size=2.5,
+        num_running=3,
+        num_waiting=4,
+        kv_blocks_total=100,
+        kv_blocks_free=60,
+        kv_blocks_cached=10,
+        kv_block_usage=0.4,
+        prefix_hit_rate=0.25,
+    )
+    m.observe_stats(stats)
+    m.observe_step(SimpleNamespace(num_seqs=3, step_seconds=0.01))
+    families = parse(m)
+    gauges = {
+        name: families[name].samples[0].value for name, (kind, _) in FAMILIES.items() if kind == "gauge"
+    }
+    assert gauges == {
+        "nanolab_mean_batch_size": 2.5,
+        "nanolab_requests_running": 3,
+        "nanolab_requests_waiting": 4,
+        "nanolab_requests_waiting_max": math.inf,
+        "nanolab_kv_blocks_total": 100,
+        "nanolab_kv_blocks_free": 60,
+        "nanolab_kv_blocks_cached": 10,
+        "nanolab_kv_block_usage": 0.4,
+        "nanolab_prefix_cache_hit_rate": 0.25,
+    }
+    assert families["nanolab_engine_steps"].samples[0].value == 1
+
+
+def test_labels_are_checked_and_counters_only_go_up() -> None:
+    m = ServerMetrics()
+    with pytest.raises(ValueError):
+        m.requests.labels(reason="stop")
+    with pytest.raises(ValueError):
+        m.prompt_tokens.inc(-1)

@@ -334,7 +334,7 @@ def test_32_concurrent_streams_share_batches_and_each_equals_offline(server: Liv
     steps = after["nanolab_batch_size_count"] - before["nanolab_batch_size_count"]
     seqs = after["nanolab_batch_size_sum"] - before["nanolab_batch_size_sum"]
     assert steps > 0 and seqs / steps > 2, f"mean batch size {seqs / steps:.2f}: requests did not share steps"
-    single = after['nanolab_batch_size_bucket{le="1"}'] - before['nanolab_batch_size_bucket{le="1"}']
+    single = after['nanolab_batch_size_bucket{le="1.0"}'] - before['nanolab_batch_size_bucket{le="1.0"}']
     assert single < steps
     assert after["nanolab_mean_batch_size"] > 1
     assert (

@@ -7,14 +7,22 @@
 Endpoints: ``POST /v1/completions`` (see `nanolab.serving.openai_protocol`), ``POST /v1/chat/completions``
 (see `nanolab.serving.chat_protocol`; the messages are rendered with the model's chat template, and a
 model without one answers 400), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus
-text, see `nanolab.serving.metrics`).
+text written by prometheus_client, see `nanolab.serving.metrics`).
 
 Every connection's requests go to one engine run by one background thread (`nanolab.serving.async_engine`),
 so concurrent clients share continuous batches. A client that disconnects has its requests aborted and
 their KV blocks freed: a stream notices when its generator is cancelled, a plain request by polling
 ``request.is_disconnected()`` while it waits.
 
-Deliberately left out: authentication, TLS, request timeouts, rate limits. Listen on 127.0.0.1 (the default) unless a proxy guards the port.
+Limits (both off by default): ``--request-timeout S`` gives every request a deadline S seconds after it
+arrived, and a request's ``timeout`` field its own; a request still running at its deadline is aborted
+and answered with the text generated so far and finish reason "timeout" (a stream ends with that
+reason). ``--max-waiting N`` refuses a new request at once with HTTP 503 and a ``Retry-After`` header
+while N requests or more wait to be admitted, instead of queueing without bound. /metrics counts both
+(``nanolab_requests_total{status="timeout"}`` and ``{status="overloaded"}``).
+
+Deliberately left out: authentication, TLS, rate limits per client. Listen on 127.0.0.1 (the default)
+unless a proxy guards the port.
 """
 
 from __future__ import annotations
@@ -38,7 +46,13 @@ from nanolab.engine.chat import NoChatTemplate, chat_prompt
 from nanolab.engine.request import RequestOutput
 from nanolab.serving import chat_protocol as chat
 from nanolab.serving import openai_protocol as oa
-from nanolab.serving.async_engine import AsyncEngine, EngineNotRunning, EngineStepError, RequestGroup
+from nanolab.serving.async_engine import (
+    AsyncEngine,
+    EngineNotRunning,
+    EngineStepError,
+    RequestGroup,
+    ServerOverloaded,
+)
 from nanolab.text.chat_template import ChatTemplate
 
 log = logging.getLogger("nanolab.server")
@@ -101,14 +115,14 @@ def build_app(aengine: AsyncEngine, model_name: str, chat_template: ChatTemplate
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(metrics.render(), media_type=metrics.content_type)
 
     async def read_json(request: Request) -> Any:
         """The request's JSON body, or the 400 response that says it is not JSON."""
         try:
             return json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            metrics.requests.inc(status="rejected")
+            metrics.requests.labels(status="rejected").inc()
             return error_response(400, f"the request body is not valid JSON: {exc}", code="invalid_json")
 
     @app.post("/v1/completions")
@@ -119,15 +133,20 @@ def build_app(aengine: AsyncEngine, model_name: str, chat_template: ChatTemplate
         try:
             req = oa.parse_completion_request(body, model_name)
             cid = oa.new_completion_id()
-            group = await aengine.add(cid, req.prompts, [req.params] * len(req.prompts), req.priority)
+            group = await aengine.add(
+                cid, req.prompts, [req.params] * len(req.prompts), req.priority, timeout=req.timeout
+            )
         except oa.InvalidRequest as exc:
-            metrics.requests.inc(status="rejected")
+            metrics.requests.labels(status="rejected").inc()
             return error_response(400, exc.message, param=exc.param, code=exc.code)
         except ValueError as exc:  # the engine refused a prompt (too long, bad token id, ...)
-            metrics.requests.inc(status="rejected")
+            metrics.requests.labels(status="rejected").inc()
             return error_response(400, str(exc), param="prompt")
         except EngineNotRunning as exc:
             return error_response(503, f"{exc}; try again later", "server_error")
+        except ServerOverloaded as exc:  # too many requests waiting: refused at once, nothing queued
+            body = oa.error_body(str(exc), "server_error", code="server_overloaded")
+            return JSONResponse(body, status_code=503, headers={"Retry-After": str(exc.retry_after)})
         if req.stream:
             return _event_stream(_stream(aengine, group, req))
         finals = await _collect_or_error(aengine, group, request)
@@ -159,18 +178,21 @@ def build_app(aengine: AsyncEngine, model_name: str, chat_template: ChatTemplate
                 room = engine.config.max_model_len - len(prompt.token_ids)
                 params = replace(params, max_tokens=max(1, room))
             cid = chat.new_chat_id()
-            group = await aengine.add(cid, [prompt.token_ids], [params], req.priority)
+            group = await aengine.add(cid, [prompt.token_ids], [params], req.priority, timeout=req.timeout)
         except oa.InvalidRequest as exc:
-            metrics.requests.inc(status="rejected")
+            metrics.requests.labels(status="rejected").inc()
             return error_response(400, exc.message, param=exc.param, code=exc.code)
         except NoChatTemplate as exc:
-            metrics.requests.inc(status="rejected")
+            metrics.requests.labels(status="rejected").inc()
             return error_response(400, f"{model_name!r}: {exc}", code="no_chat_template")
         except ValueError as exc:  # the template refused the messages, or the engine the prompt
-            metrics.requests.inc(status="rejected")
+            metrics.requests.labels(status="rejected").inc()
             return error_response(400, str(exc), param="messages")
         except EngineNotRunning as exc:
             return error_response(503, f"{exc}; try again later", "server_error")
+        except ServerOverloaded as exc:  # too many requests waiting: refused at once, nothing queued
+            body = oa.error_body(str(exc), "server_error", code="server_overloaded")
+            return JSONResponse(body, status_code=503, headers={"Retry-After": str(exc.retry_after)})
         if req.stream:
             return _event_stream(_stream_chat(aengine, group, req))
         finals = await _collect_or_error(aengine, group, request)
@@ -335,7 +357,13 @@ def run_server(args: argparse.Namespace) -> int:
         config = EngineConfig.from_cli_args(args)
         tokenizer = load_tokenizer(args.model)
         template = load_chat_template(args.model, tokenizer)
-        aengine = AsyncEngine(load_model(args.model), tokenizer, config)
+        aengine = AsyncEngine(
+            load_model(args.model),
+            tokenizer,
+            config,
+            max_waiting=getattr(args, "max_waiting", None),
+            request_timeout=getattr(args, "request_timeout", None),
+        )
         name = args.served_model_name or resolve_checkpoint(args.model).name
     except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
