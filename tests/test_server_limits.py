@@ -331,6 +331,24 @@ def test_a_request_still_waiting_at_its_deadline_times_out_without_text(llm: LLM
     assert st.kv_blocks_free + st.kv_blocks_cached == st.kv_blocks_total
 
 
+def test_an_idle_engine_thread_wakes_up_for_a_pending_deadline(llm: LLM) -> None:
+    """With nothing to step, the thread sleeps on its command queue, but no longer than the next deadline."""
+    aengine = AsyncEngine(llm.model, llm.tokenizer)
+    aengine.engine.has_unfinished = lambda: False  # the thread never steps: the request stays waiting
+    aengine.start()
+
+    async def main():
+        group = await aengine.add("g", ["import os"], [SamplingParams(max_tokens=4)], timeout=0.2)
+        return (await asyncio.wait_for(group.queue.get(), 30))[1]
+
+    try:
+        out = asyncio.run(main())
+    finally:
+        aengine.shutdown()
+    assert out.finished and out.outputs[0].finish_reason == "timeout" and out.outputs[0].token_ids == []
+    assert aengine.engine.stats().num_waiting == 0
+
+
 # ---- bad values -----------------------------------------------------------------------------------------
 
 
