@@ -286,8 +286,20 @@ BAD_CHAT = {
         "messages",
         "max_model_len 512",
     ),
-    "n > 1": ({"messages": CONVERSATION, "n": 2}, "n", "not supported"),
-    "logprobs": ({"messages": CONVERSATION, "logprobs": True}, "logprobs", "not supported"),
+    "n of 0": ({"messages": CONVERSATION, "n": 0}, "n", "n must be an integer >= 1"),
+    "logprobs not a bool": ({"messages": CONVERSATION, "logprobs": 3}, "logprobs", "true or false"),
+    "top_logprobs without logprobs": ({"messages": CONVERSATION, "top_logprobs": 2}, "top_logprobs", "needs"),
+    "top_logprobs above 20": (
+        {"messages": CONVERSATION, "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+        "[0, 20]",
+    ),
+    "frequency_penalty out of range": (
+        {"messages": CONVERSATION, "frequency_penalty": -3},
+        "frequency_penalty",
+        "[-2, 2]",
+    ),
+    "tools": ({"messages": CONVERSATION, "tools": [{"type": "function"}]}, "tools", "not supported"),
     "negative temperature": (
         {"messages": CONVERSATION, "temperature": -1},
         "temperature",

@@ -9,6 +9,7 @@ from engine_utils import random_prompts, tiny_model
 
 from nanolab.engine.engine import Engine
 from nanolab.engine.llm import LLM
+from nanolab.engine.request import Request
 from nanolab.engine.scheduler import Scheduler
 from nanolab.model.sampling import SamplingParams
 
@@ -124,8 +125,12 @@ def test_aborting_a_parallel_request_stops_every_sample_and_frees_its_blocks(mod
 
 def test_n_beyond_max_num_seqs_or_without_a_forking_scheduler_is_refused(model):
     llm = LLM(model, max_num_seqs=4)
-    with pytest.raises(ValueError, match="n=5 samples but at most max_num_seqs=4"):
+    with pytest.raises(ValueError, match="n=5 samples cannot run at once: max_num_seqs=4"):
         llm.engine.add_request([1, 2, 3], sampled(4, n=5))
+    with pytest.raises(
+        ValueError, match="n=5 samples but at most max_num_seqs=4"
+    ):  # the scheduler's own check
+        llm.engine.scheduler.add(Request("x", [1, 2, 3], sampled(4, n=5)))
 
     class NoFork(Scheduler):
         fork = None

@@ -45,6 +45,14 @@ from nanolab.model.sampling import SamplingParams, sample, token_logprobs
 from nanolab.model.transformer import Transformer
 
 
+class SamplingParamsError(ValueError):
+    """Sampling parameters this engine cannot run; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class EngineStepError(RuntimeError):
     """A step raised; the requests it was running were aborted and their KV blocks freed.
 
@@ -149,15 +157,23 @@ class Engine:
         return requests
 
     def _check_params(self, sp: SamplingParams) -> None:
-        """What `SamplingParams` cannot check alone: token ids in the vocabulary, a scheduler that forks."""
+        """What `SamplingParams` cannot check alone: token ids in the vocabulary, seats and a scheduler
+        that forks for n samples. Raises `SamplingParamsError`."""
         vocab = self.model.config.vocab_size
         bad = [t for t in sp.logit_bias or () if t >= vocab]
         if bad:
-            raise ValueError(f"logit_bias names token id {bad[0]} but the vocabulary has {vocab} tokens")
+            raise SamplingParamsError(
+                f"logit_bias names token id {bad[0]} but the vocabulary has {vocab} tokens", "logit_bias"
+            )
+        if sp.n > self.config.max_num_seqs:
+            raise SamplingParamsError(
+                f"n={sp.n} samples cannot run at once: max_num_seqs={self.config.max_num_seqs}", "n"
+            )
         if sp.n > 1 and not callable(getattr(self.scheduler, "fork", None)):
-            raise ValueError(
+            raise SamplingParamsError(
                 f"n={sp.n} needs a scheduler with a fork(parent, child) method; "
-                f"{type(self.scheduler).__name__} has none"
+                f"{type(self.scheduler).__name__} has none",
+                "n",
             )
 
     def add_request(

@@ -382,7 +382,7 @@ class AsyncEngine:
         if live is None:
             return
         self.metrics.observe_output(out, live.group.arrival, live.last_token_time, now)
-        if out.outputs[0].delta_token_ids:
+        if any(c.delta_token_ids for c in out.outputs):
             live.last_token_time = now
         if out.finished:
             del self._live[out.request_id]

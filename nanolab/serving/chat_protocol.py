@@ -3,15 +3,18 @@
 Request (``POST /v1/chat/completions``, JSON): ``messages`` (a list of ``{"role", "content"}``; content
 a string or a list of text parts), ``model``, ``max_tokens`` or its newer name ``max_completion_tokens``
 (default: as many as ``max_model_len`` leaves after the prompt, as vLLM does), ``temperature``,
-``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``; vLLM's extras ``top_k``,
+``top_p``, ``seed``, ``stop``, ``n``, ``logprobs`` (true/false) with ``top_logprobs`` (0..20),
+``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``stream``,
+``stream_options.include_usage``; vLLM's extras ``repetition_penalty``, ``top_k``,
 ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``priority``, ``add_generation_prompt`` (default true)
-and ``chat_template_kwargs`` (more variables for the template); nanolab's ``timeout`` (as for completions). Unknown fields are ignored; fields
-nanolab cannot honour (``n > 1``, ``logprobs``, penalties, ``logit_bias``, ``tools``) are refused.
+and ``chat_template_kwargs`` (more variables for the template); nanolab's ``timeout`` (as for
+completions). Unknown fields are ignored; ``tools`` and ``tool_choice`` are refused.
 The messages are rendered with the model's chat template (`nanolab.engine.chat`).
 
 Response: ``{"id": "chatcmpl-...", "object": "chat.completion", "created", "model", "choices":
-[{"index": 0, "message": {"role": "assistant", "content"}, "logprobs": null, "finish_reason"}],
-"usage": {...}}``. Streamed, as server-sent events of ``"object": "chat.completion.chunk"``: the first
+[{"index", "message": {"role": "assistant", "content"}, "logprobs", "finish_reason"}], "usage": {...}}``,
+one choice per sample (``n``); ``logprobs`` is null or ``{"content": [{"token", "logprob", "bytes",
+"top_logprobs"}]}``. Streamed, as server-sent events of ``"object": "chat.completion.chunk"``: the first
 chunk's ``delta`` is ``{"role": "assistant", "content": ""}``, each next one's ``{"content": <new text>}``,
 then a chunk with an empty ``delta`` and the ``finish_reason``; with ``include_usage``, a last chunk
 with no choices carries the usage (``"usage": null`` on the others); ``data: [DONE]`` ends the stream.
@@ -20,10 +23,11 @@ with no choices carries the usage (``"usage": null`` on the others); ``data: [DO
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanolab.model.sampling import SamplingParams
+from nanolab.model.sampling import SamplingParams, TokenLogprob
 from nanolab.serving.openai_protocol import (
     InvalidRequest,
     check_body_and_model,
@@ -31,19 +35,12 @@ from nanolab.serving.openai_protocol import (
     parse_sampling_params,
     parse_stream,
     parse_timeout,
+    token_text,
 )
 from nanolab.text.chat_template import ChatTemplateError, Message, normalize_messages
 
 # Fields nanolab does not implement, with the value that means "not used".
-_UNSUPPORTED = {
-    "n": 1,
-    "logprobs": False,
-    "top_logprobs": None,
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "logit_bias": None,
-    "tools": None,
-}
+_UNSUPPORTED = {"tools": None, "tool_choice": None}
 
 
 @dataclass(frozen=True)
@@ -77,6 +74,7 @@ def parse_chat_request(body: Any, model_name: str) -> ChatRequest:
     if body.get("max_completion_tokens") is not None:
         fields["max_tokens"] = body["max_completion_tokens"]
     given = fields.get("max_tokens") is not None
+    fields["logprobs"] = parse_chat_logprobs(body)
     params = parse_sampling_params(fields, _UNSUPPORTED, defaults={"max_tokens": 1})
     stream, include_usage = parse_stream(body)
     add_generation_prompt = body.get("add_generation_prompt", True)
@@ -105,22 +103,58 @@ def parse_chat_request(body: Any, model_name: str) -> ChatRequest:
     )
 
 
+def parse_chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat's ``logprobs`` (true/false) and ``top_logprobs`` (0..20) as `SamplingParams.logprobs`."""
+    wanted, top = body.get("logprobs") or False, body.get("top_logprobs")
+    if not isinstance(wanted, bool):
+        raise InvalidRequest(f"logprobs must be true or false in a chat request, got {wanted!r}", "logprobs")
+    if top is not None and not wanted:
+        raise InvalidRequest("top_logprobs needs logprobs=true", "top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
+        raise InvalidRequest(f"top_logprobs must be an integer in [0, 20], got {top!r}", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def chat_logprobs(tokenizer: Any, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """OpenAI's chat logprobs object: for each token its text, log-probability, UTF-8 bytes and the top
+    ``top_logprobs`` tokens."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(tokenizer, token_id)
+        special = token_id in getattr(tokenizer, "special_tokens", {}).values()
+        raw = text.encode() if special else tokenizer.decode_bytes([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+    content = [
+        {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+        for lp in logprobs
+    ]
+    return {"content": content}
+
+
 def new_chat_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
 
-def message_choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+def message_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
     return {
         "index": index,
         "message": {"role": "assistant", "content": text},
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": finish_reason,
     }
 
 
-def delta_choice(index: int, delta: dict[str, str], finish_reason: str | None = None) -> dict[str, Any]:
+def delta_choice(
+    index: int,
+    delta: dict[str, str],
+    finish_reason: str | None = None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """A stream chunk's choice: ``delta`` is ``{"role": ...}`` first, then ``{"content": ...}``, then ``{}``."""
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chat_body(

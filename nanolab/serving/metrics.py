@@ -160,7 +160,7 @@ class ServerMetrics:
         self, out: RequestOutput, arrival: float, last_token_time: float | None, now: float
     ) -> None:
         """Account for one incremental output that arrived at ``now`` (request received at ``arrival``)."""
-        n_new = len(out.outputs[0].delta_token_ids)
+        n_new = sum(len(c.delta_token_ids) for c in out.outputs)  # every sample's, when n > 1
         if n_new:
             self.generation_tokens.inc(n_new)
             if last_token_time is None:

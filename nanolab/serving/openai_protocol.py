@@ -2,15 +2,19 @@
 
 Request (``POST /v1/completions``, JSON): ``prompt`` (a string, a list of strings, a list of token ids
 or a list of such lists), ``model``, ``max_tokens`` (default 16), ``temperature``, ``top_p``, ``seed``,
-``stop``, ``stream``, ``stream_options.include_usage``; and vLLM's extras ``top_k``, ``min_p``,
+``stop``, ``n`` (samples per prompt), ``logprobs`` (0..20 top tokens per output token), ``echo``,
+``presence_penalty``, ``frequency_penalty``, ``logit_bias`` (token id -> bias), ``stream``,
+``stream_options.include_usage``; and vLLM's extras ``repetition_penalty``, ``top_k``, ``min_p``,
 ``stop_token_ids``, ``ignore_eos``, ``priority``; and nanolab's ``timeout`` (seconds until the request is
-aborted with finish reason "timeout"; default: the server's ``--request-timeout``). Unknown fields are ignored, as vLLM does; fields nanolab cannot
-honour (``n > 1``, ``logprobs``, ``echo``, ``suffix``, penalties, ``logit_bias``) are refused.
+aborted with finish reason "timeout"; default: the server's ``--request-timeout``). Unknown fields are
+ignored, as vLLM does; ``best_of``, ``suffix`` and ``echo`` together with ``logprobs`` are refused.
 
 Response: ``{"id", "object": "text_completion", "created", "model", "choices": [{"index", "text",
-"finish_reason", "logprobs": null}], "usage": {...}}``, one choice per prompt, ``index`` = the prompt's
-position. Streamed, each chunk has the same shape with the new text only, sent as a server-sent event
-``data: {json}\\n\\n``; the stream ends with ``data: [DONE]\\n\\n``.
+"finish_reason", "logprobs"}], "usage": {...}}``, ``n`` choices per prompt: choice ``index`` is
+``prompt position * n + sample``. ``logprobs`` is null, or OpenAI's legacy object ``{"tokens",
+"token_logprobs", "top_logprobs", "text_offset"}`` (the model's own log-probabilities, before penalties
+and temperature). Streamed, each chunk has the same shape with the new text only, sent as a server-sent
+event ``data: {json}\\n\\n``; the stream ends with ``data: [DONE]\\n\\n``.
 
 Errors: ``{"error": {"message", "type", "param", "code"}}`` with HTTP 400 for bad input.
 """
@@ -21,24 +25,33 @@ import json
 import math
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from nanolab.engine.prompt import Prompt, PromptError, as_prompt_list
-from nanolab.model.sampling import SamplingParams
+from nanolab.model.sampling import SamplingParams, TokenLogprob
 
 # Fields nanolab does not implement, with the value that means "not used".
-_UNSUPPORTED = {
-    "n": 1,
-    "best_of": 1,
-    "logprobs": None,
-    "echo": False,
-    "suffix": None,
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "logit_bias": None,
-}
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids")
+_UNSUPPORTED = {"best_of": 1, "suffix": None}
+# Body fields that are `SamplingParams` fields of the same name (``logit_bias`` is converted first).
+_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "logprobs",
+    "ignore_eos",
+)
 
 
 class InvalidRequest(ValueError):
@@ -66,6 +79,7 @@ class CompletionRequest:
     include_usage: bool = False
     priority: int = 0  # lower = sooner, with the engine's "priority" scheduling policy (vLLM's extra field)
     timeout: float | None = None  # seconds before the request is aborted; None = the server's default
+    echo: bool = False  # the text of each choice starts with its prompt
 
 
 def _is_int(x: Any) -> bool:
@@ -90,8 +104,17 @@ def parse_completion_request(body: Any, model_name: str) -> CompletionRequest:
     prompts = parse_prompts(body.get("prompt"))
     params = parse_sampling_params(body, _UNSUPPORTED)
     stream, include_usage = parse_stream(body)
+    echo = body.get("echo") or False
+    if not isinstance(echo, bool):
+        raise InvalidRequest(f"echo must be true or false, got {echo!r}", "echo")
+    if echo and params.logprobs is not None:
+        raise InvalidRequest(
+            "echo with logprobs would need the prompt's log-probabilities, which nanolab does not compute; "
+            "ask for one or the other",
+            "echo",
+        )
     return CompletionRequest(
-        prompts, params, model_name, stream, include_usage, parse_priority(body), parse_timeout(body)
+        prompts, params, model_name, stream, include_usage, parse_priority(body), parse_timeout(body), echo
     )
 
 
@@ -119,13 +142,30 @@ def parse_sampling_params(
     kw = {**(defaults or {}), **{k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}}
     if kw.get("top_k") in (0, -1):
         kw["top_k"] = None  # vLLM's API spells "no limit" -1 (and 0); the Python API says None
-    ignore_eos = body.get("ignore_eos", False)
+    if "logit_bias" in kw:
+        kw["logit_bias"] = parse_logit_bias(kw["logit_bias"])
     try:
-        return SamplingParams(**kw, ignore_eos=ignore_eos)
+        return SamplingParams(**kw)
     except (ValueError, TypeError) as exc:
         msg = str(exc)
-        param = next((f for f in (*_SAMPLING_FIELDS, "ignore_eos") if msg.startswith(f)), None)
-        raise InvalidRequest(msg, param) from None
+        param = msg.split(" ", 1)[0]
+        raise InvalidRequest(msg, param if param in _SAMPLING_FIELDS else None) from None
+
+
+def parse_logit_bias(bias: Any) -> dict[int, Any]:
+    """OpenAI's ``logit_bias``: a JSON object whose keys are token ids written as strings."""
+    if not isinstance(bias, dict):
+        raise InvalidRequest(
+            f'logit_bias must be an object such as {{"50256": -100}}, got {bias!r}', "logit_bias"
+        )
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        out[token] = value
+    return out
 
 
 def parse_stream(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -166,8 +206,39 @@ def new_completion_id() -> str:
     return f"cmpl-{uuid.uuid4().hex}"
 
 
-def choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """One token as text for logprobs: its bytes decoded (an incomplete character shows as U+FFFD), or
+    its name for a special token."""
+    special = {v: k for k, v in getattr(tokenizer, "special_tokens", {}).items()}
+    if token_id in special:
+        return special[token_id]
+    return tokenizer.decode_bytes([token_id]).decode("utf-8", errors="replace")
+
+
+def completion_logprobs(tokenizer: Any, logprobs: Sequence[TokenLogprob], offset: int) -> dict[str, Any]:
+    """OpenAI's legacy logprobs object for the tokens ``logprobs`` describe, their text starting at
+    character ``offset`` of the choice's text. ``top_logprobs`` holds the top tokens and the chosen one."""
+    tokens, offsets, top = [], [], []
+    for lp in logprobs:
+        text = token_text(tokenizer, lp.token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        best = {token_text(tokenizer, t): v for t, v in lp.top}
+        best.setdefault(text, lp.logprob)
+        top.append(best)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
 
 
 def completion_body(

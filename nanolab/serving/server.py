@@ -7,7 +7,8 @@
 Endpoints: ``POST /v1/completions`` (see `nanolab.serving.openai_protocol`), ``POST /v1/chat/completions``
 (see `nanolab.serving.chat_protocol`; the messages are rendered with the model's chat template, and a
 model without one answers 400), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus
-text written by prometheus_client, see `nanolab.serving.metrics`).
+text written by prometheus_client, see `nanolab.serving.metrics`). Responses and streams are built in
+`nanolab.serving.responses`: ``n`` choices per prompt, with logprobs and ``echo`` when asked for.
 
 Every connection's requests go to one engine run by one background thread (`nanolab.serving.async_engine`),
 so concurrent clients share continuous batches. A client that disconnects has its requests aborted and
@@ -32,40 +33,28 @@ import asyncio
 import json
 import logging
 import sys
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanolab.engine.chat import NoChatTemplate, chat_prompt
-from nanolab.engine.request import RequestOutput
 from nanolab.serving import chat_protocol as chat
 from nanolab.serving import openai_protocol as oa
+from nanolab.serving import responses
 from nanolab.serving.async_engine import (
     AsyncEngine,
     EngineNotRunning,
-    EngineStepError,
-    RequestGroup,
     ServerOverloaded,
 )
+from nanolab.serving.responses import error_response
 from nanolab.text.chat_template import ChatTemplate
 
 log = logging.getLogger("nanolab.server")
-
-DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
-
-
-class ClientGone(Exception):
-    """The client closed the connection before its completion was ready."""
-
-
-def error_response(status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
-    return JSONResponse(oa.error_body(message, type, param, code), status_code=status)
 
 
 def build_app(aengine: AsyncEngine, model_name: str, chat_template: ChatTemplate | None = None) -> FastAPI:
@@ -141,23 +130,19 @@ def build_app(aengine: AsyncEngine, model_name: str, chat_template: ChatTemplate
             return error_response(400, exc.message, param=exc.param, code=exc.code)
         except ValueError as exc:  # the engine refused a prompt (too long, bad token id, ...)
             metrics.requests.labels(status="rejected").inc()
-            return error_response(400, str(exc), param="prompt")
+            return error_response(400, str(exc), param=getattr(exc, "param", "prompt"))
         except EngineNotRunning as exc:
             return error_response(503, f"{exc}; try again later", "server_error")
         except ServerOverloaded as exc:  # too many requests waiting: refused at once, nothing queued
             body = oa.error_body(str(exc), "server_error", code="server_overloaded")
             return JSONResponse(body, status_code=503, headers={"Retry-After": str(exc.retry_after)})
         if req.stream:
-            return _event_stream(_stream(aengine, group, req))
-        finals = await _collect_or_error(aengine, group, request)
+            return responses.event_stream(responses.stream_completion(aengine, group, req))
+        finals = await responses.collect_or_error(aengine, group, request)
         if isinstance(finals, JSONResponse):
             return finals
-        choices = [
-            oa.choice(i, o.outputs[0].text or "", o.outputs[0].finish_reason) for i, o in enumerate(finals)
-        ]
-        n_prompt = sum(len(o.prompt_token_ids) for o in finals)
-        n_out = sum(len(o.outputs[0].token_ids) for o in finals)
-        return oa.completion_body(cid, model_name, oa.now(), choices, oa.usage(n_prompt, n_out))
+        choices = responses.completion_choices(engine.tokenizer, req, finals)
+        return oa.completion_body(cid, model_name, oa.now(), choices, responses.usage_of(finals))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -187,163 +172,21 @@ def build_app(aengine: AsyncEngine, model_name: str, chat_template: ChatTemplate
             return error_response(400, f"{model_name!r}: {exc}", code="no_chat_template")
         except ValueError as exc:  # the template refused the messages, or the engine the prompt
             metrics.requests.labels(status="rejected").inc()
-            return error_response(400, str(exc), param="messages")
+            return error_response(400, str(exc), param=getattr(exc, "param", "messages"))
         except EngineNotRunning as exc:
             return error_response(503, f"{exc}; try again later", "server_error")
         except ServerOverloaded as exc:  # too many requests waiting: refused at once, nothing queued
             body = oa.error_body(str(exc), "server_error", code="server_overloaded")
             return JSONResponse(body, status_code=503, headers={"Retry-After": str(exc.retry_after)})
         if req.stream:
-            return _event_stream(_stream_chat(aengine, group, req))
-        finals = await _collect_or_error(aengine, group, request)
+            return responses.event_stream(responses.stream_chat(aengine, group, req))
+        finals = await responses.collect_or_error(aengine, group, request)
         if isinstance(finals, JSONResponse):
             return finals
-        (final,) = finals
-        c = final.outputs[0]
-        choices = [chat.message_choice(0, c.text or "", c.finish_reason)]
-        usage = oa.usage(len(final.prompt_token_ids), len(c.token_ids))
-        return chat.chat_body(cid, model_name, oa.now(), choices, usage)
+        choices = responses.chat_choices(engine.tokenizer, finals[0])
+        return chat.chat_body(cid, model_name, oa.now(), choices, responses.usage_of(finals))
 
     return app
-
-
-async def _ready_items(group: RequestGroup) -> list:
-    """The next item of the group's queue, waited for, and every item already behind it."""
-    items = [await group.queue.get()]
-    while not group.queue.empty():
-        items.append(group.queue.get_nowait())
-    return items
-
-
-def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-
-
-async def _collect_or_error(
-    aengine: AsyncEngine, group: RequestGroup, request: Request
-) -> list[RequestOutput] | JSONResponse:
-    """Every final output of the group, or the error response for a failed step or a client gone."""
-    try:
-        return await _collect(aengine, group, request)
-    except EngineStepError as exc:
-        return error_response(500, str(exc), "server_error")
-    except ClientGone:
-        return error_response(499, "the client closed the connection")
-
-
-async def _collect(aengine: AsyncEngine, group: RequestGroup, request: Request) -> list[RequestOutput]:
-    """Wait for every request of the group to finish; abort them all if anything goes wrong."""
-    finals: list[RequestOutput | None] = [None] * len(group.request_ids)
-    remaining = len(finals)
-    get: asyncio.Future | None = None
-    next_poll = time.monotonic() + DISCONNECT_POLL_S
-    try:
-        while remaining:
-            get = get or asyncio.ensure_future(group.queue.get())
-            done, _ = await asyncio.wait({get}, timeout=DISCONNECT_POLL_S)
-            if time.monotonic() >= next_poll:  # outputs may arrive every step: poll by the clock
-                if await request.is_disconnected():
-                    raise ClientGone
-                next_poll = time.monotonic() + DISCONNECT_POLL_S
-            if not done:
-                continue
-            index, item = get.result()
-            get = None
-            if isinstance(item, EngineStepError):
-                raise item
-            if item.finished:
-                finals[index] = item
-                remaining -= 1
-    finally:
-        if get is not None:
-            get.cancel()
-        if remaining:  # error, disconnect or cancellation: stop the group's other requests too
-            aengine.abort(group.request_ids)
-    return finals  # type: ignore[return-value]
-
-
-async def _stream(aengine: AsyncEngine, group: RequestGroup, req: oa.CompletionRequest) -> AsyncIterator[str]:
-    """Server-sent events for a streamed completion. Cancelled when the client disconnects.
-
-    Everything already queued goes out in one write: when the server lags, tokens are sent together
-    rather than one write (and one thread switch) each.
-    """
-    cid, created, model = group.group_id, oa.now(), req.model
-    n = len(group.request_ids)
-    done = 0
-    failed = False
-    prompt_tokens = completion_tokens = 0
-    try:
-        while done < n and not failed:
-            items = await _ready_items(group)
-            events = []
-            for index, item in items:
-                if isinstance(item, EngineStepError):
-                    events.append(oa.sse(oa.error_body(str(item), "server_error")))
-                    failed = True
-                    break
-                c = item.outputs[0]
-                if c.delta_text or item.finished:
-                    finish = c.finish_reason if item.finished else None
-                    chunk = oa.completion_body(
-                        cid, model, created, [oa.choice(index, c.delta_text, finish)], None
-                    )
-                    if req.include_usage:
-                        chunk["usage"] = None  # as OpenAI: null on every chunk, the totals in a last one
-                    events.append(oa.sse(chunk))
-                if item.finished:
-                    done += 1
-                    prompt_tokens += len(item.prompt_token_ids)
-                    completion_tokens += len(c.token_ids)
-            if not failed and done == n and req.include_usage:
-                usage = oa.usage(prompt_tokens, completion_tokens)
-                events.append(oa.sse(oa.completion_body(cid, model, created, [], usage)))
-            if events:
-                yield "".join(events)
-        yield oa.sse("[DONE]")
-    finally:
-        if done < n:  # the client left (the generator was cancelled or closed) or the engine failed
-            aengine.abort(group.request_ids)
-
-
-async def _stream_chat(
-    aengine: AsyncEngine, group: RequestGroup, req: chat.ChatRequest
-) -> AsyncIterator[str]:
-    """Server-sent events for a streamed chat completion: the role, the content, the finish reason."""
-    cid, created, model = group.group_id, oa.now(), req.model
-
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-        body = chat.chat_body(cid, model, created, choices, usage, chunk=True)
-        if req.include_usage and usage is None:
-            body["usage"] = None  # as OpenAI: null on every chunk, the totals in a last one
-        return oa.sse(body)
-
-    finished = False
-    try:
-        yield chunk([chat.delta_choice(0, {"role": "assistant", "content": ""})])
-        while not finished:
-            items = await _ready_items(group)
-            events = []
-            for _, item in items:
-                if isinstance(item, EngineStepError):
-                    events.append(oa.sse(oa.error_body(str(item), "server_error")))
-                    finished = True
-                    break
-                c = item.outputs[0]
-                if c.delta_text:
-                    events.append(chunk([chat.delta_choice(0, {"content": c.delta_text})]))
-                if item.finished:
-                    finished = True
-                    events.append(chunk([chat.delta_choice(0, {}, c.finish_reason)]))
-                    if req.include_usage:
-                        events.append(chunk([], oa.usage(len(item.prompt_token_ids), len(c.token_ids))))
-            if events:
-                yield "".join(events)
-        yield oa.sse("[DONE]")
-    finally:
-        if not finished:  # the client left (the generator was cancelled or closed)
-            aengine.abort(group.request_ids)
 
 
 def run_server(args: argparse.Namespace) -> int:
