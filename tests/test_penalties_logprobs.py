@@ -60,7 +60,8 @@ def test_logit_bias_adds_to_the_logits_and_can_force_or_ban_a_token():
         SamplingParams(temperature=0, logit_bias={7: 100}),
         SamplingParams(temperature=0, logit_bias={4: -100}),
     ]
-    assert sample(logits, params, [None, None], [([], []), ([], [])]).tolist() == [7, 0]
+    adjusted = adjust_logits(logits, params, [([], []), ([], [])])
+    assert sample(adjusted, params, [None, None]).tolist() == [7, 0]
     adjusted = adjust_logits(logits, [SamplingParams(logit_bias={2: 1.5, 3: -0.25})], [([], [])])
     assert adjusted[0, 2] == 1.5 and adjusted[0, 3] == -0.25 and adjusted[0, 4] == 5.0
 
@@ -84,7 +85,7 @@ def test_a_row_is_adjusted_the_same_alone_or_in_any_batch():
 
 def test_penalties_without_the_token_history_are_refused():
     with pytest.raises(ValueError, match="penalties need each row's"):
-        sample(torch.zeros(1, 5), [SamplingParams(frequency_penalty=1)], [None])
+        adjust_logits(torch.zeros(1, 5), [SamplingParams(frequency_penalty=1)], None)
 
 
 def test_token_logprobs_are_the_log_softmax_and_the_top_tokens_in_order():

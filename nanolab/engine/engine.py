@@ -41,7 +41,7 @@ from nanolab.memory.block_manager import BlockManager
 from nanolab.memory.paged_kv_cache import PagedKVCache, SeqSlice
 from nanolab.memory.prefix_cache import PrefixCacheProtocol
 from nanolab.memory.radix_cache import RadixCache
-from nanolab.model.sampling import SamplingParams, sample, token_logprobs
+from nanolab.model.sampling import SamplingParams, adjust_logits, sample, token_logprobs
 from nanolab.model.transformer import Transformer
 
 
@@ -262,7 +262,9 @@ class Engine:
                 sample_rows.append(row - 1)
                 to_sample.append(r)
                 prefilled.append(n > 1)  # this step computed (the end of) a prompt, not a decode
-        self.kv_cache.copy_blocks(getattr(out, "blocks_to_copy", ()))  # copy-on-write, before any write
+        copies = getattr(out, "blocks_to_copy", None)  # copy-on-write (parallel samples), before any write
+        if copies:
+            self.kv_cache.copy_blocks(copies)
         positions = self.kv_cache.prepare(seqs)
         t1 = time.perf_counter()
         hidden = self.model(torch.tensor(ids, dtype=torch.long), positions, self.kv_cache)
@@ -282,10 +284,11 @@ class Engine:
         if to_sample:
             params = [r.sampling_params for r in to_sample]
             gens = [r.generator for r in to_sample]
-            histories = None
-            if any(p.adjusts_logits for p in params):
+            adjusted = logits
+            if any(p.adjusts_logits for p in params):  # logit bias and penalties, from each one's tokens
                 histories = [(r.prompt_token_ids, r.output_token_ids) for r in to_sample]
-            next_ids = sample(logits, params, gens, histories).tolist()
+                adjusted = adjust_logits(logits, params, histories)
+            next_ids = sample(adjusted, params, gens).tolist()
             wanted = [b for b, p in enumerate(params) if p.logprobs is not None]
             if wanted:
                 ranked = token_logprobs(

@@ -78,6 +78,12 @@ class SchedulerProtocol(Protocol):
     def abort(self, req: Request) -> None: ...
 
 
+def _forks_to_come(req: Request) -> int:
+    """Further samples a request will fork into (0 for a request class without parallel sampling, such as
+    a notebook's own)."""
+    return getattr(req, "samples_to_fork", 0)
+
+
 def waiting_order(waiting: Sequence[Request], policy: str, now: int, aging_steps: int) -> list[Request]:
     """The waiting requests in the order ``policy`` admits them (a new list; ties go by arrival time).
 
@@ -169,7 +175,7 @@ class Scheduler:
                 f"request {req.request_id!r} needs {self.block_manager.num_blocks_for(tokens)} KV blocks "
                 f"for its {tokens} tokens but the pool has num_blocks={self.block_manager.num_total_blocks}"
             )
-        if req.samples_to_fork and req.sampling_params.n > cfg.max_num_seqs:
+        if _forks_to_come(req) and req.sampling_params.n > cfg.max_num_seqs:
             raise ValueError(
                 f"request {req.request_id!r} asks for n={req.sampling_params.n} samples but at most "
                 f"max_num_seqs={cfg.max_num_seqs} sequences run at once"
@@ -213,7 +219,8 @@ class Scheduler:
         """
         while True:
             if self.block_manager.grow(req, num_new):
-                copies = self.block_manager.copy_on_write(req, num_new) if req.group is not None else []
+                shares = getattr(req, "group", None) is not None  # a sample may share its last block
+                copies = self.block_manager.copy_on_write(req, num_new) if shares else []
                 if copies is not None:
                     out.blocks_to_copy += copies
                     return True
@@ -254,10 +261,10 @@ class Scheduler:
 
         # 3. waiting requests, in policy order.
         self.waiting = waiting_order(self.waiting, cfg.scheduling_policy, self.step_count, cfg.aging_steps)
-        seats = len(self.running) + sum(r.samples_to_fork for r in self.running)  # forks to come included
+        seats = len(self.running) + sum(_forks_to_come(r) for r in self.running)  # forks to come included
         while self.waiting and budget > 0 and seats < cfg.max_num_seqs:
             req = self.waiting[0]
-            if seats + 1 + req.samples_to_fork > cfg.max_num_seqs:
+            if seats + 1 + _forks_to_come(req) > cfg.max_num_seqs:
                 break  # its samples need more seats than are free: it waits for them
             if not cfg.enable_chunked_prefill and req.remaining_prefill() > budget:
                 break  # the prompt must go in one step; it waits for a step with room
@@ -269,7 +276,7 @@ class Scheduler:
             self._admissions += 1
             req.admitted_seq = self._admissions
             self.running.append(req)
-            seats += 1 + req.samples_to_fork
+            seats += 1 + _forks_to_come(req)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
 

@@ -263,22 +263,17 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-    histories: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> torch.Tensor:
     """One token id per row of (B, V) logits -> (B,) int64.
 
-    Logit bias and penalties come first (`adjust_logits`; ``histories`` is needed only when a row has a
-    penalty). Greedy rows take the exact argmax. Other rows draw from softmax(`filter_logits`) with the Gumbel-max
+    Logit bias and penalties are not applied here: give the logits `adjust_logits` returns. Greedy rows take the exact argmax. Other rows draw from softmax(`filter_logits`) with the Gumbel-max
     trick: the winner is argmax(logits_i + G_i) with G_i = -log(-log U_i), U_i uniform, which picks i
     with probability softmax(logits)_i. Row b's U comes from ``generators[b]`` (torch's global generator
     when None), so seeded output does not depend on what else is in the batch.
     """
     if len(generators) != len(params):
         raise ValueError(f"got {len(params)} SamplingParams but {len(generators)} generators")
-    logits = adjust_logits(logits, params, histories)
     result = argmax(logits)
     rows = [b for b, p in enumerate(params) if not p.greedy]
     if not rows:
