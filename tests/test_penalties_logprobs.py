@@ -111,6 +111,7 @@ def test_token_logprobs_are_the_log_softmax_and_the_top_tokens_in_order():
         (dict(logit_bias={3: 101}), r"numbers in \[-100, 100\]"),
         (dict(logprobs=21), r"logprobs must be None \(off\) or an integer in \[0, 20\]"),
         (dict(logprobs=True), "logprobs must be None"),
+        (dict(prompt_logprobs=-1), r"prompt_logprobs must be None \(off\) or an integer in \[0, 20\]"),
     ],
 )
 def test_bad_values_are_refused_naming_the_field(kwargs, message):
@@ -189,3 +190,31 @@ def test_a_logit_bias_outside_the_vocabulary_is_refused_before_anything_runs(mod
     with pytest.raises(ValueError, match=f"logit_bias names token id {VOCAB} but the vocabulary has {VOCAB}"):
         llm.engine.add_request([1, 2], SamplingParams(logit_bias={VOCAB: 1.0}))
     assert not llm.engine.requests
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(), dict(max_num_batched_tokens=8), dict(num_blocks=12, max_num_batched_tokens=32)],
+    ids=["one-chunk", "chunked", "preempted"],
+)
+def test_prompt_logprobs_equal_a_full_recompute_whatever_the_cache_and_chunks(model, settings):
+    prompts = random_prompts(4, VOCAB, 10, 30, seed=12)
+    llm = LLM(model, block_size=4, **settings)
+    llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)  # the prefix cache now holds them
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=2, n=2)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        with torch.inference_mode():
+            ref = model.logits(torch.tensor([prompt]))[0].log_softmax(-1)
+        got = out.prompt_logprobs
+        assert got is not None and len(got) == len(prompt) and got[0] is None
+        assert [lp.token_id for lp in got[1:]] == prompt[1:]
+        assert [lp.logprob for lp in got[1:]] == pytest.approx(
+            [float(ref[i, prompt[i + 1]]) for i in range(len(prompt) - 1)], abs=1e-4
+        )
+        assert all(len(lp.top) == 2 for lp in got[1:])
+    if "num_blocks" in settings:
+        assert llm.stats().preemptions > 0, "the pool was meant to be too small"
+    s = llm.stats()
+    assert s.kv_blocks_free + s.kv_blocks_cached == s.kv_blocks_total
+    assert llm.generate(prompts[0], SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_logprobs is None

@@ -427,7 +427,6 @@ BAD = {
     "n beyond max_num_seqs": ({"prompt": "a", "n": 10_000}, "n", "max_num_seqs="),
     "best_of": ({"prompt": "a", "best_of": 3}, "best_of", "not supported"),
     "logprobs above 20": ({"prompt": "a", "logprobs": 21}, "logprobs", "logprobs must be"),
-    "echo with logprobs": ({"prompt": "a", "echo": True, "logprobs": 1}, "echo", "one or the other"),
     "echo not a bool": ({"prompt": "a", "echo": "yes"}, "echo", "echo must be true or false"),
     "presence_penalty out of range": ({"prompt": "a", "presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
     "repetition_penalty of 0": ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty", "> 0"),

@@ -171,3 +171,30 @@ def test_raw_streamed_logprobs_are_per_chunk(server) -> None:
     logprobs = [c["choices"][0]["logprobs"] for c in events]
     assert all(lp is not None and len(lp["tokens"]) == len(lp["token_logprobs"]) for lp in logprobs)
     assert sum(len(lp["tokens"]) for lp in logprobs) == 5
+
+
+def test_echo_with_logprobs_gives_the_prompts_tokens_first(server, llm) -> None:
+    resp = server.client.completions.create(
+        model="tinypy", prompt=PROMPTS[0], max_tokens=5, temperature=0, echo=True, logprobs=1
+    )
+    (want,) = llm.generate(
+        PROMPTS[0], SamplingParams(max_tokens=5, temperature=0, logprobs=1, prompt_logprobs=1), use_tqdm=False
+    )
+    lp = resp.choices[0].logprobs
+    n_prompt = len(want.prompt_token_ids)
+    assert resp.choices[0].text == PROMPTS[0] + want.outputs[0].text == "".join(lp.tokens)
+    assert len(lp.tokens) == n_prompt + 5
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = [e.logprob for e in want.prompt_logprobs[1:]] + [e.logprob for e in want.outputs[0].logprobs]
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    streamed = server.client.completions.create(
+        model="tinypy", prompt=PROMPTS[0], max_tokens=5, temperature=0, echo=True, logprobs=1, stream=True
+    )
+    tokens, offsets = [], []
+    for chunk in streamed:
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                offsets += c.logprobs.text_offset
+    assert tokens == lp.tokens and offsets == lp.text_offset

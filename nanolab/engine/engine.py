@@ -269,6 +269,8 @@ class Engine:
         t1 = time.perf_counter()
         hidden = self.model(torch.tensor(ids, dtype=torch.long), positions, self.kv_cache)
         logits = self.model.compute_logits(hidden[sample_rows]) if to_sample else None
+        if any(r.wants_prompt_logprobs for r, _ in batch):
+            self._record_prompt_logprobs(batch, hidden)
         t2 = time.perf_counter()  # the model's share of the step ends here
         for r, n in batch:
             r.num_computed_tokens += n
@@ -334,6 +336,30 @@ class Engine:
             listener(record)
         return outputs
 
+    def _record_prompt_logprobs(self, batch: list[tuple[Request, int]], hidden: torch.Tensor) -> None:
+        """Log-probabilities of the prompt tokens this step's rows predict, for the requests that want
+        them: the row of position p gives token p + 1's. A recomputed prompt (after preemption) adds
+        none twice."""
+        rows, targets, owners = [], [], []
+        row = 0
+        for r, n in batch:
+            if r.wants_prompt_logprobs:
+                if not r.prompt_logprobs:
+                    r.prompt_logprobs.append(None)  # the first token has nothing before it
+                start = r.num_computed_tokens
+                for p in range(
+                    max(start, len(r.prompt_logprobs) - 1), min(start + n, r.num_prompt_tokens - 1)
+                ):
+                    rows.append(row + p - start)
+                    targets.append(r.prompt_token_ids[p + 1])
+                    owners.append(r)
+            row += n
+        if not rows:
+            return
+        tops = [r.sampling_params.prompt_logprobs for r in owners]
+        for r, lp in zip(owners, token_logprobs(self.model.compute_logits(hidden[rows]), targets, tops)):
+            r.prompt_logprobs.append(lp)
+
     def _fork(self, parent: Request) -> list[Request]:
         """The further samples of ``parent`` (none unless its n > 1 prompt was just computed), running and
         sharing its KV blocks. Sample i's seed is the request's seed + i (vLLM's rule)."""
@@ -354,6 +380,7 @@ class Engine:
                 group=group,
                 sample_index=i,
             )
+            child.prompt_logprobs = parent.prompt_logprobs  # the same prompt: known once for all
             group.samples.append(child)
             self.requests[child.request_id] = child
             self.scheduler.fork(parent, child)

@@ -134,6 +134,8 @@ class Request:
     group: SampleGroup | None = None  # the n samples this request is one of (None when n == 1)
     sample_index: int = 0  # which sample of its group (its CompletionOutput's index)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # with SamplingParams.logprobs
+    # with SamplingParams.prompt_logprobs: one per prompt token computed so far (None for the first)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
     # Each token id's bytes (None: a special token, no text), shared by every request of an engine;
     # None when the engine has no tokenizer. `output_text` decodes through it.
@@ -153,6 +155,13 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True while some prompt token's log-probability is still to be computed. Such a request
+        computes its whole prompt: the prefix cache would skip the positions it needs."""
+        want = self.sampling_params.prompt_logprobs is not None
+        return want and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def samples_to_fork(self) -> int:
@@ -278,6 +287,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # with SamplingParams.prompt_logprobs: one per prompt token (None for the first), once all are known
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @classmethod
     def of(cls, req: Request, has_text: bool) -> RequestOutput:
@@ -311,7 +322,10 @@ class RequestOutput:
             num_preemptions=req.num_preemptions,
         )
         rid = req.group.request_id if req.group is not None else req.request_id
-        return cls(rid, req.prompt, list(req.prompt_token_ids), completions, finished, metrics)
+        prompt_lp = None
+        if req.sampling_params.prompt_logprobs is not None and not req.wants_prompt_logprobs:
+            prompt_lp = list(req.prompt_logprobs)
+        return cls(rid, req.prompt, list(req.prompt_token_ids), completions, finished, metrics, prompt_lp)
 
 
 def _completion(req: Request, has_text: bool) -> CompletionOutput:

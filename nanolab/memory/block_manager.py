@@ -88,7 +88,9 @@ class BlockManager:
         cannot be had or the whole uncached part must fit and does not.
         """
         cache = self.prefix_cache
-        match = cache.match_prefix(req.all_token_ids) if cache is not None else None
+        # a request that wants its prompt's log-probabilities must compute every position itself
+        use_cache = cache is not None and not getattr(req, "wants_prompt_logprobs", False)
+        match = cache.match_prefix(req.all_token_ids) if use_cache else None
         cached_blocks = list(match.blocks) if match is not None else []
         cached = match.num_tokens if match is not None else 0
         num_new = req.num_tokens - cached

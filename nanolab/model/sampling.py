@@ -55,6 +55,7 @@ class SamplingParams:
     )
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before anything else
     logprobs: int | None = None  # report each output token's log-probability and this many top ones
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (the first has none)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -106,11 +107,13 @@ class SamplingParams:
                     f"logit_bias must map token ids (integers >= 0) to numbers in [-100, 100], got {bias!r}"
                 )
             object.__setattr__(self, "logit_bias", {k: float(v) for k, v in bias.items()} or None)
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise ValueError(
-                f"logprobs must be None (off) or an integer in [0, 20] (how many top tokens to report "
-                f"besides the chosen one), got {self.logprobs!r}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= 20):
+                raise ValueError(
+                    f"{name} must be None (off) or an integer in [0, 20] (how many top tokens to report "
+                    f"besides the chosen one), got {value!r}"
+                )
 
     def __hash__(self) -> int:  # the generated hash would fail on the lists and the logit_bias dict
         def frozen(v: object) -> object:

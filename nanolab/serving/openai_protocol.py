@@ -7,7 +7,8 @@ or a list of such lists), ``model``, ``max_tokens`` (default 16), ``temperature`
 ``stream_options.include_usage``; and vLLM's extras ``repetition_penalty``, ``top_k``, ``min_p``,
 ``stop_token_ids``, ``ignore_eos``, ``priority``; and nanolab's ``timeout`` (seconds until the request is
 aborted with finish reason "timeout"; default: the server's ``--request-timeout``). Unknown fields are
-ignored, as vLLM does; ``best_of``, ``suffix`` and ``echo`` together with ``logprobs`` are refused.
+ignored, as vLLM does; ``best_of`` and ``suffix`` are refused. With ``echo`` and ``logprobs``, the
+prompt's tokens come first in the logprobs too (the first with a null log-probability).
 
 Response: ``{"id", "object": "text_completion", "created", "model", "choices": [{"index", "text",
 "finish_reason", "logprobs"}], "usage": {...}}``, ``n`` choices per prompt: choice ``index`` is
@@ -26,7 +27,7 @@ import math
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from nanolab.engine.prompt import Prompt, PromptError, as_prompt_list
@@ -107,12 +108,8 @@ def parse_completion_request(body: Any, model_name: str) -> CompletionRequest:
     echo = body.get("echo") or False
     if not isinstance(echo, bool):
         raise InvalidRequest(f"echo must be true or false, got {echo!r}", "echo")
-    if echo and params.logprobs is not None:
-        raise InvalidRequest(
-            "echo with logprobs would need the prompt's log-probabilities, which nanolab does not compute; "
-            "ask for one or the other",
-            "echo",
-        )
+    if echo and params.logprobs is not None:  # the prompt's tokens are echoed with their logprobs too
+        params = replace(params, prompt_logprobs=params.logprobs)
     return CompletionRequest(
         prompts, params, model_name, stream, include_usage, parse_priority(body), parse_timeout(body), echo
     )
@@ -232,7 +229,7 @@ def completion_logprobs(tokenizer: Any, logprobs: Sequence[TokenLogprob], offset
         offset += len(text)
         best = {token_text(tokenizer, t): v for t, v in lp.top}
         best.setdefault(text, lp.logprob)
-        top.append(best)
+        top.append(None if lp.logprob is None else best)  # an echoed prompt's first token has none
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in logprobs],

@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from nanolab.engine.request import CompletionOutput, RequestOutput
+from nanolab.model.sampling import TokenLogprob
 from nanolab.serving import chat_protocol as chat
 from nanolab.serving import openai_protocol as oa
 from nanolab.serving.async_engine import AsyncEngine, EngineStepError, RequestGroup
@@ -98,15 +99,24 @@ def prompt_text(tokenizer: Any, out: RequestOutput) -> str:
     return tokenizer.decode(out.prompt_token_ids) if tokenizer is not None else ""
 
 
+def echoed_logprobs(out: RequestOutput) -> list[TokenLogprob]:
+    """The prompt's logprobs as entries like the output's; the first token's log-probability is None."""
+    if not out.prompt_logprobs:
+        return []
+    return [TokenLogprob(out.prompt_token_ids[0], None, ()), *out.prompt_logprobs[1:]]  # type: ignore[arg-type]
+
+
 def completion_choices(tokenizer: Any, req: oa.CompletionRequest, finals: list[RequestOutput]) -> list[dict]:
     choices = []
     for i, out in enumerate(finals):
         prefix = prompt_text(tokenizer, out) if req.echo else ""
+        echoed = echoed_logprobs(out) if req.echo else []
         for c in out.outputs:
-            lp = None if c.logprobs is None else oa.completion_logprobs(tokenizer, c.logprobs, len(prefix))
-            choices.append(
-                oa.choice(i * req.params.n + c.index, prefix + (c.text or ""), c.finish_reason, lp)
-            )
+            lp = None
+            if c.logprobs is not None:
+                lp = oa.completion_logprobs(tokenizer, [*echoed, *c.logprobs], 0 if echoed else len(prefix))
+            text = prefix + (c.text or "")
+            choices.append(oa.choice(i * req.params.n + c.index, text, c.finish_reason, lp))
     return choices
 
 
@@ -176,15 +186,15 @@ async def stream_completion(
                 for c in item.outputs:
                     index = prompt_index * req.params.n + c.index
                     s = sent.setdefault(index, _Sent())
-                    text = c.delta_text
+                    text, entries = c.delta_text, list(c.delta_logprobs or ())
                     if not s.started:
                         s.started = True
                         if req.echo:
                             text = prompt_text(tokenizer, item) + text
-                        s.offset = len(text) - len(c.delta_text)
+                            entries = [*echoed_logprobs(item), *entries]
                     lp = None
-                    if c.delta_logprobs:
-                        lp = oa.completion_logprobs(tokenizer, c.delta_logprobs, s.offset)
+                    if entries:
+                        lp = oa.completion_logprobs(tokenizer, entries, s.offset)
                         s.offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
                     finish = _news(c, s)
                     if text or lp or finish:
