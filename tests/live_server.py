@@ -2,11 +2,15 @@
 
 `serve(llm)` serves ``llm``'s model, tokenizer, chat template and engine settings (with an engine of
 its own, not ``llm``'s), so a test can compare what the server answers with what ``llm`` gives offline.
+`serve_command(args)` runs the ``nanolab serve`` command itself in a subprocess, stopped with Ctrl-C.
 """
 
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +31,50 @@ class Server:
     url: str
     http: httpx.Client  # based at the server's root
     client: openai.OpenAI  # the official client, no retries: an error is seen as it is
+
+
+@dataclass
+class Command:
+    process: subprocess.Popen
+    http: httpx.Client
+    client: openai.OpenAI
+    exit_code: int | None = None  # set once the command stopped
+
+
+@contextmanager
+def serve_command(args: list[str], timeout: float = 60) -> Iterator[Command]:
+    """``nanolab serve <args>`` on a free port of 127.0.0.1, healthy before it is yielded; stopped with
+    SIGINT (as Ctrl-C) after, its exit code then in ``exit_code``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "nanolab.cli", "serve", "--port", str(port), "--log-level", "warning", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    http = httpx.Client(base_url=url, timeout=30)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+    command = Command(proc, http, client)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if http.get("/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"nanolab serve did not become healthy within {timeout} s"
+            time.sleep(0.1)
+        yield command
+    finally:
+        client.close()
+        http.close()
+        proc.send_signal(signal.SIGINT)
+        try:
+            command.exit_code = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
 
 
 @contextmanager

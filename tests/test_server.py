@@ -12,9 +12,7 @@ import asyncio
 import functools
 import inspect
 import json
-import signal
 import socket
-import subprocess
 import sys
 import textwrap
 import threading
@@ -32,6 +30,8 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
+
+from live_server import serve_command  # noqa: E402
 
 from nanolab import LLM, SamplingParams  # noqa: E402
 from nanolab.model.config import ModelConfig  # noqa: E402
@@ -611,32 +611,9 @@ def test_shutdown_aborts_running_requests_frees_their_blocks_and_refuses_new_one
 def test_nanolab_serve_command_serves_the_checkpoint_and_exits_cleanly_on_ctrl_c(
     checkpoint: Path, offline: LLM
 ) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "nanolab.cli", "serve", "--model", str(checkpoint), "--port", str(port)]
-    cmd += ["--served-model-name", "cli-model", "--log-level", "warning", "--max-num-seqs", "8"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
-            deadline = time.monotonic() + 60
-            while True:
-                assert proc.poll() is None, proc.stderr.read()
-                try:
-                    if http.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "nanolab serve did not become healthy within 60 s"
-                time.sleep(0.1)
-            body = {"model": "cli-model", "prompt": PROMPTS[3], "max_tokens": 10, "temperature": 0}
-            text = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            code = proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+    args = ["--model", str(checkpoint), "--served-model-name", "cli-model", "--max-num-seqs", "8"]
+    with serve_command(args) as command:
+        body = {"model": "cli-model", "prompt": PROMPTS[3], "max_tokens": 10, "temperature": 0}
+        text = command.http.post("/v1/completions", json=body).json()["choices"][0]["text"]
     assert text == offline_texts(offline, PROMPTS[3], SamplingParams(max_tokens=10, temperature=0))[0]
-    assert code == 0, proc.stderr.read()
+    assert command.exit_code == 0, command.process.stderr.read()

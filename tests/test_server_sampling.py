@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
-from live_server import serve  # noqa: E402
+from live_server import serve, serve_command  # noqa: E402
 
 from nanolab import LLM, SamplingParams  # noqa: E402
 
@@ -198,3 +198,33 @@ def test_echo_with_logprobs_gives_the_prompts_tokens_first(server, llm) -> None:
                 tokens += c.logprobs.tokens
                 offsets += c.logprobs.text_offset
     assert tokens == lp.tokens and offsets == lp.text_offset
+
+
+def test_the_nanolab_serve_command_answers_the_openai_client_as_llm_does_offline(llm) -> None:
+    """The command itself, with both limits set: completions and chat, plain and streamed, n=3, logprobs=5
+    and penalties, greedy, equal to offline `LLM`."""
+    penalties = dict(frequency_penalty=0.8, presence_penalty=0.3)
+    greedy = SamplingParams(max_tokens=10, temperature=0, n=3, logprobs=5, **penalties)
+    want = llm.generate(PROMPTS[0], greedy, use_tqdm=False)[0].outputs
+    (chat_want,) = llm.chat(MESSAGES, greedy, use_tqdm=False)
+    args = dict(model="tinypy", max_tokens=10, temperature=0, n=3, **penalties)
+    with serve_command(["--max-waiting", "8", "--request-timeout", "60"]) as command:
+        client = command.client
+        plain = client.completions.create(prompt=PROMPTS[0], logprobs=5, **args)
+        streamed: dict[int, str] = {}
+        for chunk in client.completions.create(prompt=PROMPTS[0], logprobs=5, stream=True, **args):
+            for c in chunk.choices:
+                streamed[c.index] = streamed.get(c.index, "") + c.text
+        reply = client.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=5, **args)
+        chat_streamed: dict[int, str] = {}
+        for chunk in client.chat.completions.create(messages=MESSAGES, stream=True, **args):
+            for c in chunk.choices:
+                chat_streamed[c.index] = chat_streamed.get(c.index, "") + (c.delta.content or "")
+    assert command.exit_code == 0
+    assert [c.text for c in plain.choices] == [w.text for w in want] == [streamed[i] for i in range(3)]
+    for c, w in zip(plain.choices, want):
+        assert c.logprobs.token_logprobs == pytest.approx([e.logprob for e in w.logprobs], abs=1e-4)
+        assert all(len(top) == 5 for top in c.logprobs.top_logprobs)
+    texts = [c.text for c in chat_want.outputs]
+    assert [c.message.content for c in reply.choices] == texts == [chat_streamed[i] for i in range(3)]
+    assert all(len(e.top_logprobs) == 5 for c in reply.choices for e in c.logprobs.content)
