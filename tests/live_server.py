@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import openai
@@ -31,6 +32,45 @@ class Server:
     url: str
     http: httpx.Client  # based at the server's root
     client: openai.OpenAI  # the official client, no retries: an error is seen as it is
+
+
+def wait_healthy(http: httpx.Client, timeout: float, process: subprocess.Popen | None = None) -> None:
+    """Poll ``/health`` until it answers 200; fail after ``timeout`` s, or as soon as ``process`` exits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process is None or process.poll() is None, process.stderr.read() if process.stderr else ""
+        try:
+            if http.get("/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"the server did not become healthy within {timeout} s"
+        time.sleep(0.05)
+
+
+@contextmanager
+def run_app(app: Any, timeout: float = 30) -> Iterator[str]:
+    """Serve an ASGI app with uvicorn in a thread on a free port of 127.0.0.1; yields its URL once it is
+    healthy, and stops it after."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))  # a free loopback port, held from here on: no race with other processes
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        with httpx.Client(base_url=url, timeout=timeout) as http:
+            wait_healthy(http, timeout)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
+        sock.close()
+
+
+def openai_client(url: str, timeout: float = 30) -> openai.OpenAI:
+    """The official client for a server at ``url``; no retries, so an error is seen as it is."""
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout)
 
 
 @dataclass
@@ -51,24 +91,13 @@ def serve_command(args: list[str], timeout: float = 60) -> Iterator[Command]:
     cmd = [sys.executable, "-m", "nanolab.cli", "serve", "--port", str(port), "--log-level", "warning", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-    http = httpx.Client(base_url=url, timeout=30)
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
-    command = Command(proc, http, client)
+    command = Command(proc, httpx.Client(base_url=url, timeout=30), openai_client(url))
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if http.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"nanolab serve did not become healthy within {timeout} s"
-            time.sleep(0.1)
+        wait_healthy(command.http, timeout, proc)
         yield command
     finally:
-        client.close()
-        http.close()
+        command.client.close()
+        command.http.close()
         proc.send_signal(signal.SIGINT)
         try:
             command.exit_code = proc.wait(30)
@@ -81,29 +110,6 @@ def serve_command(args: list[str], timeout: float = 60) -> Iterator[Command]:
 def serve(llm: LLM, model_name: str = "tiny", timeout: float = 30) -> Iterator[Server]:
     """A server over ``llm``'s parts, healthy before it is yielded and stopped after."""
     aengine = AsyncEngine(llm.model, llm.tokenizer, llm.engine.config)
-    app = build_app(aengine, model_name, llm.chat_template)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))  # a free loopback port, held from here on: no race with other processes
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    http = httpx.Client(base_url=url, timeout=timeout)
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if http.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"the server did not become healthy within {timeout} s"
-            time.sleep(0.05)
-        yield Server(url, http, client)
-    finally:
-        client.close()
-        http.close()
-        server.should_exit = True
-        thread.join(timeout)
-        sock.close()
+    with run_app(build_app(aengine, model_name, llm.chat_template), timeout) as url:
+        with httpx.Client(base_url=url, timeout=timeout) as http, openai_client(url, timeout) as client:
+            yield Server(url, http, client)

@@ -12,7 +12,6 @@ import asyncio
 import functools
 import inspect
 import json
-import socket
 import sys
 import textwrap
 import threading
@@ -31,7 +30,7 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from live_server import serve_command  # noqa: E402
+from live_server import run_app, serve_command  # noqa: E402
 
 from nanolab import LLM, SamplingParams  # noqa: E402
 from nanolab.model.config import ModelConfig  # noqa: E402
@@ -121,30 +120,12 @@ class Live:
 def running_server(llm: LLM) -> Iterator[Live]:
     """A server over ``llm``'s model, tokenizer and engine settings (its own engine, not ``llm``'s)."""
     app = build_app(AsyncEngine(llm.model, llm.tokenizer, llm.engine.config), MODEL_NAME)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))  # a free loopback port, held from here on: no race with other processes
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    live = Live(url, app, llm, httpx.Client(base_url=url, timeout=30))
-    deadline = time.monotonic() + 30
-    while True:
+    with run_app(app) as url:
+        live = Live(url, app, llm, httpx.Client(base_url=url, timeout=30))
         try:
-            if live.http.get("/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not become healthy within 30 s"
-        time.sleep(0.05)
-    try:
-        yield live
-    finally:
-        live.http.close()
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
+            yield live
+        finally:
+            live.http.close()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +22,7 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
+from live_server import run_app  # noqa: E402
 from test_server import Live, blocks_all_returned, patched_forward, slow, wait_for  # noqa: E402
 
 from nanolab import LLM, SamplingParams  # noqa: E402
@@ -47,28 +47,12 @@ def serving(llm: LLM, **limits) -> Iterator[Live]:
     (``config`` too), bound to a free port of 127.0.0.1, healthy before it is yielded, always stopped."""
     aengine = AsyncEngine(llm.model, llm.tokenizer, limits.pop("config", llm.engine.config), **limits)
     app = build_app(aengine, MODEL, llm.chat_template)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    live = Live(url, app, llm, httpx.Client(base_url=url, timeout=30))
-    try:
-        wait_for(lambda: _healthy(live.http), "a healthy server", timeout=30)
-        yield live
-    finally:
-        live.http.close()
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
-
-
-def _healthy(http: httpx.Client) -> bool:
-    try:
-        return http.get("/health").status_code == 200
-    except httpx.TransportError:
-        return False
+    with run_app(app) as url:
+        live = Live(url, app, llm, httpx.Client(base_url=url, timeout=30))
+        try:
+            yield live
+        finally:
+            live.http.close()
 
 
 @contextmanager
