@@ -117,9 +117,11 @@ class Live:
 
 
 @contextmanager
-def running_server(llm: LLM) -> Iterator[Live]:
-    """A server over ``llm``'s model, tokenizer and engine settings (its own engine, not ``llm``'s)."""
-    app = build_app(AsyncEngine(llm.model, llm.tokenizer, llm.engine.config), MODEL_NAME)
+def running_server(llm: LLM, model_name: str = MODEL_NAME, **limits) -> Iterator[Live]:
+    """A server over ``llm``'s model, tokenizer, chat template and engine settings (its own engine, not
+    ``llm``'s); ``limits`` go to `AsyncEngine` (``config`` too, replacing ``llm``'s settings)."""
+    aengine = AsyncEngine(llm.model, llm.tokenizer, limits.pop("config", llm.engine.config), **limits)
+    app = build_app(aengine, model_name, llm.chat_template)
     with run_app(app) as url:
         live = Live(url, app, llm, httpx.Client(base_url=url, timeout=30))
         try:

@@ -22,14 +22,12 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from live_server import run_app  # noqa: E402
-from test_server import Live, blocks_all_returned, patched_forward, slow, wait_for  # noqa: E402
+from test_server import Live, blocks_all_returned, patched_forward, running_server, slow, wait_for  # noqa: E402
 
 from nanolab import LLM, SamplingParams  # noqa: E402
 from nanolab.cli import build_parser, main  # noqa: E402
 from nanolab.engine.config import EngineConfig  # noqa: E402
 from nanolab.serving.async_engine import AsyncEngine, ServerOverloaded  # noqa: E402
-from nanolab.serving.server import build_app  # noqa: E402
 
 MODEL = "tinypy"
 LONG = {"max_tokens": 100, "temperature": 0, "ignore_eos": True}  # 100 slowed steps: > 1 s
@@ -41,18 +39,9 @@ def llm() -> LLM:
     return LLM()
 
 
-@contextmanager
-def serving(llm: LLM, **limits) -> Iterator[Live]:
-    """A live server over ``llm``'s model and tokenizer with a fresh engine: ``limits`` go to `AsyncEngine`
-    (``config`` too), bound to a free port of 127.0.0.1, healthy before it is yielded, always stopped."""
-    aengine = AsyncEngine(llm.model, llm.tokenizer, limits.pop("config", llm.engine.config), **limits)
-    app = build_app(aengine, MODEL, llm.chat_template)
-    with run_app(app) as url:
-        live = Live(url, app, llm, httpx.Client(base_url=url, timeout=30))
-        try:
-            yield live
-        finally:
-            live.http.close()
+def serving(llm: LLM, **limits):
+    """A live server over ``llm``'s parts with a fresh engine: ``limits`` go to `AsyncEngine`."""
+    return running_server(llm, MODEL, **limits)
 
 
 @contextmanager
