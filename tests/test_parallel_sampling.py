@@ -27,7 +27,11 @@ def sampled(max_tokens: int, seed: int | None = 11, n: int = 1, **kw) -> Samplin
 
 def blocks_all_back(llm: LLM) -> bool:
     s = llm.stats()
-    return s.kv_blocks_free + s.kv_blocks_cached == s.kv_blocks_total and not llm.engine.requests
+    engine = llm.engine  # nothing left behind in the engine's or the scheduler's bookkeeping either
+    forgotten = (
+        not engine.requests and not engine.groups and not engine._special and not engine.scheduler._unforked
+    )
+    return s.kv_blocks_free + s.kv_blocks_cached == s.kv_blocks_total and forgotten
 
 
 def test_n_samples_compute_the_prompt_once_and_use_fewer_blocks(model):

@@ -97,6 +97,9 @@ class Engine:
         self.scheduler = _build(scheduler, Scheduler, cfg, self.block_manager)
         self.requests: dict[str, Request] = {}  # unfinished requests (and samples) by id
         self.groups: dict[str, SampleGroup] = {}  # unfinished parallel-sampling requests by id
+        # unfinished requests with n > 1, logprobs, prompt logprobs, logit bias or penalties: a step with
+        # none of them about skips every check for those
+        self._special: set[str] = set()
         self._ids = itertools.count()
         self.listeners = tuple(listeners)
         self.prompts = PromptProcessor(tokenizer, model.config.vocab_size, cfg)
@@ -150,6 +153,8 @@ class Engine:
         for (ids, text), sp, prio, rid in zip(processed, params, priorities, request_ids):
             req = Request(rid, ids, sp, prompt=text, priority=prio, token_bytes=self._token_bytes)
             self.requests[rid] = req
+            if _is_special(sp):
+                self._special.add(rid)
             if req.group is not None:
                 self.groups[rid] = req.group
             self.scheduler.add(req)
@@ -269,12 +274,13 @@ class Engine:
         t1 = time.perf_counter()
         hidden = self.model(torch.tensor(ids, dtype=torch.long), positions, self.kv_cache)
         logits = self.model.compute_logits(hidden[sample_rows]) if to_sample else None
-        if any(r.wants_prompt_logprobs for r, _ in batch):
+        special = bool(self._special)  # only then is there more to do than sample one token each
+        if special and any(r.wants_prompt_logprobs for r, _ in batch):
             self._record_prompt_logprobs(batch, hidden)
         t2 = time.perf_counter()  # the model's share of the step ends here
         for r, n in batch:
             r.num_computed_tokens += n
-        if any(r.samples_to_fork for r in to_sample):  # prompts of n > 1 requests done: fork them
+        if special and any(r.samples_to_fork for r in to_sample):  # n > 1 prompts computed: fork them
             rows = []
             for i, r in enumerate(list(to_sample)):
                 forks = self._fork(r)
@@ -282,22 +288,7 @@ class Engine:
                 prefilled += [False] * len(forks)  # the parent offers the prompt to the prefix cache
                 rows += [i] * len(forks)
             logits = torch.cat([logits, logits[rows]])  # each sample draws its first token from the prompt's
-        next_ids: list[int] = []
-        if to_sample:
-            params = [r.sampling_params for r in to_sample]
-            gens = [r.generator for r in to_sample]
-            adjusted = logits
-            if any(p.adjusts_logits for p in params):  # logit bias and penalties, from each one's tokens
-                histories = [(r.prompt_token_ids, r.output_token_ids) for r in to_sample]
-                adjusted = adjust_logits(logits, params, histories)
-            next_ids = sample(adjusted, params, gens).tolist()
-            wanted = [b for b, p in enumerate(params) if p.logprobs is not None]
-            if wanted:
-                ranked = token_logprobs(
-                    logits[wanted], [next_ids[b] for b in wanted], [params[b].logprobs for b in wanted]
-                )
-                for b, lp in zip(wanted, ranked):
-                    to_sample[b].output_logprobs.append(lp)
+        next_ids = self._sample(to_sample, logits, special) if to_sample else []
 
         now = time.monotonic()
         outputs = []
@@ -335,6 +326,27 @@ class Engine:
         for listener in self.listeners:
             listener(record)
         return outputs
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor, special: bool) -> list[int]:
+        """One token per request; with ``special`` requests about, logit bias and penalties first (from
+        each request's own tokens), and the logprobs of the chosen tokens (from the model's logits)."""
+        params = [r.sampling_params for r in reqs]
+        gens = [r.generator for r in reqs]
+        if not special:
+            return sample(logits, params, gens).tolist()
+        adjusted = logits
+        if any(p.adjusts_logits for p in params):
+            histories = [(r.prompt_token_ids, r.output_token_ids) for r in reqs]
+            adjusted = adjust_logits(logits, params, histories)
+        next_ids = sample(adjusted, params, gens).tolist()
+        wanted = [b for b, p in enumerate(params) if p.logprobs is not None]
+        if wanted:
+            ranked = token_logprobs(
+                logits[wanted], [next_ids[b] for b in wanted], [params[b].logprobs for b in wanted]
+            )
+            for b, lp in zip(wanted, ranked):
+                reqs[b].output_logprobs.append(lp)
+        return next_ids
 
     def _record_prompt_logprobs(self, batch: list[tuple[Request, int]], hidden: torch.Tensor) -> None:
         """Log-probabilities of the prompt tokens this step's rows predict, for the requests that want
@@ -383,6 +395,8 @@ class Engine:
             child.prompt_logprobs = parent.prompt_logprobs  # the same prompt: known once for all
             group.samples.append(child)
             self.requests[child.request_id] = child
+            if _is_special(params):
+                self._special.add(child.request_id)
             self.scheduler.fork(parent, child)
             forks.append(child)
         return forks
@@ -419,6 +433,7 @@ class Engine:
         r.finish_time = time.monotonic()
         self._finished_requests += 1
         del self.requests[r.request_id]  # the engine forgets finished requests (its caller has the output)
+        self._special.discard(r.request_id)
 
     # -- introspection ------------------------------------------------------------------------------
 
@@ -445,6 +460,11 @@ class Engine:
             prefix_hit_rate=prefix.hit_rate if prefix is not None else 0.0,
             prefix_cached_tokens=prefix.cached_tokens if prefix is not None else 0,
         )
+
+
+def _is_special(p: SamplingParams) -> bool:
+    """Whether a request needs more of a step than one sampled token (see ``Engine._special``)."""
+    return p.n > 1 or p.logprobs is not None or p.prompt_logprobs is not None or p.adjusts_logits
 
 
 def _build(given: Any, default: type, *args: Any) -> Any:

@@ -124,9 +124,8 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """True when logit bias or a penalty changes the logits before the choice."""
-        return bool(
-            self.logit_bias or self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-        )
+        penalized = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+        return bool(self.logit_bias or penalized)
 
     @property
     def greedy(self) -> bool:
