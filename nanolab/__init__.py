@@ -21,6 +21,7 @@ from nanolab.memory.block_allocator import BlockAllocator, BlockAllocatorProtoco
 _LAZY = {
     "LLM": "nanolab.engine.llm",
     "SamplingParams": "nanolab.model.sampling",
+    "TokenLogprob": "nanolab.model.sampling",
     "RequestOutput": "nanolab.engine.request",
     "CompletionOutput": "nanolab.engine.request",
     "Engine": "nanolab.engine.engine",
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
     from nanolab.model.generate import generate
     from nanolab.model.kv_cache import KVCacheProtocol
     from nanolab.model.loading import load_model, load_tokenizer, save_model
-    from nanolab.model.sampling import SamplingParams
+    from nanolab.model.sampling import SamplingParams, TokenLogprob
     from nanolab.model.transformer import Transformer
     from nanolab.text.tokenizer import Tokenizer
 
@@ -82,6 +83,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SchedulerProtocol",
+    "TokenLogprob",
     "Tokenizer",
     "Transformer",
     "backend",
