@@ -51,7 +51,14 @@ def output(n_new: int, finish_reason: str | None = None) -> SimpleNamespace:
 
 def requests_by_status(m: ServerMetrics) -> dict[str, float]:
     family = parse(m)["nanolab_requests"]
-    return {s.labels["status"]: s.value for s in family.samples if s.name == "nanolab_requests_total"}
+    return {s.labels["status"]: s.value for s in family.samples if s.name == "nanolab_requests_total" and s.value}
+
+
+def test_every_request_status_is_exported_from_the_start_at_zero() -> None:
+    family = parse(ServerMetrics())["nanolab_requests"]
+    statuses = {s.labels["status"]: s.value for s in family.samples if s.name == "nanolab_requests_total"}
+    want = {"stop", "length", "abort", "timeout", "error", "rejected", "overloaded"}
+    assert statuses == dict.fromkeys(want, 0.0)
 
 
 def test_every_family_has_its_name_type_help_and_labels_and_no_created_series() -> None:

@@ -129,7 +129,7 @@ def test_aborting_a_parallel_request_stops_every_sample_and_frees_its_blocks(mod
 
 def test_n_beyond_max_num_seqs_or_without_a_forking_scheduler_is_refused(model):
     llm = LLM(model, max_num_seqs=4)
-    with pytest.raises(ValueError, match="n=5 samples cannot run at once: max_num_seqs=4"):
+    with pytest.raises(ValueError, match="n=5 samples cannot run at once: at most max_num_seqs=4 sequences"):
         llm.engine.add_request([1, 2, 3], sampled(4, n=5))
     with pytest.raises(
         ValueError, match="n=5 samples but at most max_num_seqs=4"

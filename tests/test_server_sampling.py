@@ -228,3 +228,31 @@ def test_the_nanolab_serve_command_answers_the_openai_client_as_llm_does_offline
     texts = [c.text for c in chat_want.outputs]
     assert [c.message.content for c in reply.choices] == texts == [chat_streamed[i] for i in range(3)]
     assert all(len(e.top_logprobs) == 5 for c in reply.choices for e in c.logprobs.content)
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "a", "echo": 1}, "echo"),
+        ("/v1/completions", {"prompt": "a", "stream": 0}, "stream"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": 0}, "logprobs"),
+    ],
+)
+def test_true_or_false_fields_refuse_numbers(server, path, body, param) -> None:
+    r = server.http.post(path, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+    assert f"{param} must be true or false, got {json.dumps(body[param])}" in r.json()["error"]["message"]
+
+
+def test_unknown_fields_are_ignored_and_named_in_the_servers_log(server, caplog) -> None:
+    with caplog.at_level("WARNING", logger="nanolab.server"):
+        r = server.http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "repetiton_penalty": 2})
+        chat = server.http.post(
+            "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "echo": True}
+        )
+    assert r.status_code == 200 and chat.status_code == 200
+    warnings = [rec.getMessage() for rec in caplog.records if rec.name == "nanolab.server"]
+    assert "ignored request fields nanolab does not know: repetiton_penalty" in warnings
+    assert "ignored request fields nanolab does not know: echo" in warnings
+    known = server.http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "user": "u", "n": 1})
+    assert known.status_code == 200 and len(caplog.records) == len(warnings)

@@ -172,7 +172,9 @@ class Engine:
             )
         if sp.n > self.config.max_num_seqs:
             raise SamplingParamsError(
-                f"n={sp.n} samples cannot run at once: max_num_seqs={self.config.max_num_seqs}", "n"
+                f"n={sp.n} samples cannot run at once: at most max_num_seqs={self.config.max_num_seqs} "
+                "sequences run together (nanolab serve --max-num-seqs, or EngineConfig(max_num_seqs=...))",
+                "n",
             )
         if sp.n > 1 and not callable(getattr(self.scheduler, "fork", None)):
             raise SamplingParamsError(

@@ -95,17 +95,13 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {rp!r}")
         if self.logit_bias is not None:
             bias = self.logit_bias
-            if not isinstance(bias, dict) or not all(
-                _is_int(k)
-                and k >= 0
-                and not isinstance(v, bool)
-                and isinstance(v, (int, float))
-                and -100 <= v <= 100
-                for k, v in bias.items()
-            ):
-                raise ValueError(
-                    f"logit_bias must map token ids (integers >= 0) to numbers in [-100, 100], got {bias!r}"
-                )
+            if not isinstance(bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+            for k, v in bias.items():
+                if not _is_int(k) or k < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {k!r}")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {v!r} for {k}")
             object.__setattr__(self, "logit_bias", {k: float(v) for k, v in bias.items()} or None)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

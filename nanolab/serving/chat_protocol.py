@@ -29,13 +29,16 @@ from typing import Any
 
 from nanolab.model.sampling import SamplingParams, TokenLogprob
 from nanolab.serving.openai_protocol import (
+    COMMON_FIELDS,
     InvalidRequest,
     check_body_and_model,
+    flag,
     parse_priority,
     parse_sampling_params,
     parse_stream,
     parse_timeout,
     token_text,
+    unknown_fields,
 )
 from nanolab.text.chat_template import ChatTemplateError, Message, normalize_messages
 
@@ -57,6 +60,17 @@ class ChatRequest:
     add_generation_prompt: bool = True
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     timeout: float | None = None  # seconds before the request is aborted; None = the server's default
+    ignored: tuple[str, ...] = ()  # fields of the body nanolab does not know (the server logs them)
+
+
+CHAT_FIELDS = COMMON_FIELDS | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "add_generation_prompt",
+    "chat_template_kwargs",
+    *_UNSUPPORTED,
+}
 
 
 def parse_chat_request(body: Any, model_name: str) -> ChatRequest:
@@ -100,14 +114,13 @@ def parse_chat_request(body: Any, model_name: str) -> ChatRequest:
         add_generation_prompt,
         template_kwargs,
         parse_timeout(body),
+        unknown_fields(body, CHAT_FIELDS),
     )
 
 
 def parse_chat_logprobs(body: dict[str, Any]) -> int | None:
     """Chat's ``logprobs`` (true/false) and ``top_logprobs`` (0..20) as `SamplingParams.logprobs`."""
-    wanted, top = body.get("logprobs") or False, body.get("top_logprobs")
-    if not isinstance(wanted, bool):
-        raise InvalidRequest(f"logprobs must be true or false in a chat request, got {wanted!r}", "logprobs")
+    wanted, top = flag(body, "logprobs"), body.get("top_logprobs")
     if top is not None and not wanted:
         raise InvalidRequest("top_logprobs needs logprobs=true", "top_logprobs")
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):

@@ -85,6 +85,8 @@ class ServerMetrics:
             ["status"],
             registry=r,
         )
+        for status in ("stop", "length", "abort", "timeout", "error", "rejected", "overloaded"):
+            self.requests.labels(status=status)  # every status shows from the start, at 0
         self.prompt_tokens = Counter(
             f"{p}_prompt_tokens_total", "Prompt tokens of accepted requests.", registry=r
         )

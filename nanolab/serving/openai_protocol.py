@@ -81,6 +81,7 @@ class CompletionRequest:
     priority: int = 0  # lower = sooner, with the engine's "priority" scheduling policy (vLLM's extra field)
     timeout: float | None = None  # seconds before the request is aborted; None = the server's default
     echo: bool = False  # the text of each choice starts with its prompt
+    ignored: tuple[str, ...] = ()  # fields of the body nanolab does not know (the server logs them)
 
 
 def _is_int(x: Any) -> bool:
@@ -105,14 +106,26 @@ def parse_completion_request(body: Any, model_name: str) -> CompletionRequest:
     prompts = parse_prompts(body.get("prompt"))
     params = parse_sampling_params(body, _UNSUPPORTED)
     stream, include_usage = parse_stream(body)
-    echo = body.get("echo") or False
-    if not isinstance(echo, bool):
-        raise InvalidRequest(f"echo must be true or false, got {echo!r}", "echo")
+    echo = flag(body, "echo")
     if echo and params.logprobs is not None:  # the prompt's tokens are echoed with their logprobs too
         params = replace(params, prompt_logprobs=params.logprobs)
+    priority, timeout = parse_priority(body), parse_timeout(body)
+    ignored = unknown_fields(body, COMPLETION_FIELDS)
     return CompletionRequest(
-        prompts, params, model_name, stream, include_usage, parse_priority(body), parse_timeout(body), echo
+        prompts, params, model_name, stream, include_usage, priority, timeout, echo, ignored
     )
+
+
+# Every field a completions request may have: the others are ignored, with a warning in the server's log.
+# "user" is OpenAI's end-user id, accepted and unused.
+COMMON_FIELDS = frozenset(
+    {"model", "stream", "stream_options", "priority", "timeout", "user", *_SAMPLING_FIELDS, *_UNSUPPORTED}
+)
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
+
+
+def unknown_fields(body: dict[str, Any], known: frozenset[str]) -> tuple[str, ...]:
+    return tuple(sorted(set(body) - known))
 
 
 def check_body_and_model(body: Any, model_name: str) -> None:
@@ -165,11 +178,19 @@ def parse_logit_bias(bias: Any) -> dict[int, Any]:
     return out
 
 
+def flag(body: dict[str, Any], name: str) -> bool:
+    """A true/false field (absent or null: false); anything else is refused, 0 and 1 included."""
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"{name} must be true or false, got {json.dumps(value)}", name)
+    return value
+
+
 def parse_stream(body: dict[str, Any]) -> tuple[bool, bool]:
     """``stream`` and ``stream_options.include_usage``."""
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise InvalidRequest(f"stream must be true or false, got {stream!r}", "stream")
+    stream = flag(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise InvalidRequest(

@@ -57,6 +57,12 @@ from nanolab.text.chat_template import ChatTemplate
 log = logging.getLogger("nanolab.server")
 
 
+def warn_ignored(fields: tuple[str, ...]) -> None:
+    """Unknown fields are ignored, as vLLM does, but said so in the log: a misspelt field is then seen."""
+    if fields:
+        log.warning("ignored request fields nanolab does not know: %s", ", ".join(fields))
+
+
 def build_app(aengine: AsyncEngine, model_name: str, chat_template: ChatTemplate | None = None) -> FastAPI:
     """The FastAPI app serving ``aengine``'s model under the name ``model_name``.
 
@@ -121,6 +127,7 @@ def build_app(aengine: AsyncEngine, model_name: str, chat_template: ChatTemplate
             return body
         try:
             req = oa.parse_completion_request(body, model_name)
+            warn_ignored(req.ignored)
             cid = oa.new_completion_id()
             group = await aengine.add(
                 cid, req.prompts, [req.params] * len(req.prompts), req.priority, timeout=req.timeout
@@ -151,6 +158,7 @@ def build_app(aengine: AsyncEngine, model_name: str, chat_template: ChatTemplate
             return body
         try:
             req = chat.parse_chat_request(body, model_name)
+            warn_ignored(req.ignored)
             prompt = chat_prompt(
                 chat_template,
                 engine.tokenizer,
