@@ -51,7 +51,9 @@ def output(n_new: int, finish_reason: str | None = None) -> SimpleNamespace:
 
 def requests_by_status(m: ServerMetrics) -> dict[str, float]:
     family = parse(m)["nanolab_requests"]
-    return {s.labels["status"]: s.value for s in family.samples if s.name == "nanolab_requests_total" and s.value}
+    return {
+        s.labels["status"]: s.value for s in family.samples if s.name == "nanolab_requests_total" and s.value
+    }
 
 
 def test_every_request_status_is_exported_from_the_start_at_zero() -> None:
