@@ -127,6 +127,16 @@ def test_aborting_a_parallel_request_stops_every_sample_and_frees_its_blocks(mod
     assert blocks_all_back(llm)
 
 
+def test_aborting_one_sample_by_its_id_aborts_the_whole_request(model):
+    llm = LLM(model, block_size=4)
+    rid = llm.engine.add_request([5, 6, 7, 8, 9], sampled(50, n=3)).request_id
+    llm.engine.step()
+    out = llm.engine.abort(f"{rid}#2")
+    assert out is not None and out.request_id == rid and out.finished
+    assert [c.finish_reason for c in out.outputs] == ["abort"] * 3
+    assert blocks_all_back(llm)
+
+
 def test_n_beyond_max_num_seqs_or_without_a_forking_scheduler_is_refused(model):
     llm = LLM(model, max_num_seqs=4)
     with pytest.raises(ValueError, match="n=5 samples cannot run at once: at most max_num_seqs=4 sequences"):

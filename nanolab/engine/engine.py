@@ -197,13 +197,14 @@ class Engine:
     def abort(self, request_id: str, reason: FinishReason | str = FinishReason.ABORT) -> RequestOutput | None:
         """Stop a request now; its KV blocks are freed. Returns its final output (None if unknown/finished).
 
-        ``reason`` is "abort" or "timeout" (what the final output's ``finish_reason`` says).
+        ``reason`` is "abort" or "timeout" (what the final output's ``finish_reason`` says). Aborting one
+        sample of a parallel-sampling request aborts them all.
         """
         reason = FinishReason(reason)
         if reason not in (FinishReason.ABORT, FinishReason.TIMEOUT):
             raise ValueError(f"an abort's reason is 'abort' or 'timeout', got {reason.value!r}")
-        group = self.groups.get(request_id)
         req = self.requests.get(request_id)
+        group = self.groups.get(request_id) or (req.group if req is not None else None)  # one sample: all
         live = [s for s in group.samples if not s.is_finished] if group is not None else [req] if req else []
         if not live:
             return None
@@ -213,7 +214,7 @@ class Engine:
         if group is None:
             return RequestOutput.of(live[0], self.tokenizer is not None)
         group.n = len(group.samples)  # aborted before it forked: no more samples will come
-        del self.groups[request_id]
+        del self.groups[group.request_id]
         return RequestOutput.of_group(group, live, self.tokenizer is not None)
 
     def has_unfinished(self) -> bool:
