@@ -9,8 +9,10 @@ tokens per request). Baselines, all on the same weights (`nanolab.model.hf.to_hf
   request is done (the tokens generated past a request's length are wasted and not counted).
 
 Prints tokens/s for each and the ratios, the engine's time split per step (model forward vs everything
-else: scheduling, batch layout, sampling, detokenization), and a shared-system-prompt workload run
-with the prefix cache on and off.
+else: scheduling, batch layout, sampling, detokenization), a shared-system-prompt workload run
+with the prefix cache on and off, and parallel sampling: n samples of one long prompt in one request
+(the prompt computed once, its blocks shared) against n separate seeded requests, which give the same
+tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -164,6 +167,36 @@ def main() -> None:
             f"prefill tokens saved: {saved}, hit rate {st.prefix_hit_rate:.1%}"
         )
     print(f"  cache on / off throughput: {results[False] / results[True]:.2f}x")
+    parallel_sampling(model, tokenizer, prompts, n=4 if args.quick else 8)
+
+
+def parallel_sampling(model, tokenizer, prompts, n: int) -> None:
+    """One request with n samples vs n requests seeded seed + i (the same tokens), prefix cache off."""
+    prompt = [t for p in prompts for t in p][:200]
+    print(f"\nparallel sampling: n={n} samples of one {len(prompt)}-token prompt, 32 tokens each:")
+    runs = {}
+    for together in (True, False):
+        llm = LLM(model, tokenizer, enable_prefix_caching=False, block_size=16)
+        params = SamplingParams(max_tokens=32, temperature=0.8, seed=1, ignore_eos=True)
+        t0 = time.perf_counter()
+        if together:
+            outs = [
+                c.token_ids for c in llm.generate(prompt, replace(params, n=n), use_tqdm=False)[0].outputs
+            ]
+        else:
+            seeded = [replace(params, seed=1 + i) for i in range(n)]
+            outs = [o.outputs[0].token_ids for o in llm.generate([prompt] * n, seeded, use_tqdm=False)]
+        t = time.perf_counter() - t0
+        st = llm.stats()
+        blocks = round(st.peak_kv_block_usage * st.kv_blocks_total)
+        runs[together] = (t, outs)
+        name = "one request, n samples" if together else f"{n} separate requests "
+        print(
+            f"  {name}: {t:6.2f} s, prompt tokens computed {st.batched_tokens - n * 31}, peak KV blocks {blocks}"
+        )
+    same = sum(a == b for a, b in zip(runs[True][1], runs[False][1]))
+    print(f"  samples identical to the separate seeded requests: {same}/{n}")
+    print(f"  n samples / separate requests throughput: {runs[False][0] / runs[True][0]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,10 @@ def test_bench_engine_quick():
     assert split and abs(float(split.group(1)) + float(split.group(2)) - 100) < 0.2
     saved = int(re.search(r"prefix cache on .*prefill tokens saved: (\d+)", out).group(1))
     assert saved > 0, "the shared system prompt saved no prefill with the prefix cache on"
+    m = re.search(r"samples identical to the separate seeded requests: (\d+)/(\d+)", out)
+    assert m and m.group(1) == m.group(2), out
+    computed = [int(x) for x in re.findall(r"prompt tokens computed (\d+)", out)]
+    assert len(computed) == 2 and computed[1] == int(m.group(2)) * computed[0], computed
 
 
 @pytest.mark.timeout(600)
