@@ -159,7 +159,6 @@ class Scheduler:
         self.step_count = 0
         self.num_preemptions = 0
         self._admissions = 0
-        self._unforked = 0  # requests with n > 1 whose samples are not all forked yet
 
     # -- bookkeeping --------------------------------------------------------------------------------
 
@@ -183,7 +182,6 @@ class Scheduler:
             )
         req.arrival_step = self.step_count
         self.waiting.append(req)
-        self._unforked += _forks_to_come(req) > 0
 
     def fork(self, parent: Request, child: Request) -> None:
         """Start ``child``, a further sample of ``parent``'s prompt, sharing the parent's KV blocks.
@@ -192,7 +190,6 @@ class Scheduler:
         was reserved when the parent was admitted).
         """
         self.block_manager.fork(parent, child)
-        self._unforked -= _forks_to_come(parent) == 0  # its last sample: it reserves no more seats
         admit(child)
         self._admissions += 1
         child.admitted_seq = self._admissions
@@ -204,7 +201,6 @@ class Scheduler:
         self.block_manager.release(req)
 
     def abort(self, req: Request) -> None:
-        self._unforked -= _forks_to_come(req) > 0
         if req in self.running:
             self.running.remove(req)
             self.block_manager.release(req)
@@ -265,9 +261,7 @@ class Scheduler:
 
         # 3. waiting requests, in policy order.
         self.waiting = waiting_order(self.waiting, cfg.scheduling_policy, self.step_count, cfg.aging_steps)
-        seats = len(self.running)  # and the seats of samples still to be forked:
-        if self._unforked:
-            seats += sum(_forks_to_come(r) for r in self.running)
+        seats = len(self.running) + sum(_forks_to_come(r) for r in self.running)  # forks to come included
         while self.waiting and budget > 0 and seats < cfg.max_num_seqs:
             req = self.waiting[0]
             if seats + 1 + _forks_to_come(req) > cfg.max_num_seqs:

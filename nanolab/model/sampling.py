@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -110,12 +110,6 @@ class SamplingParams:
                     f"{name} must be None (off) or an integer in [0, 20] (how many top tokens to report "
                     f"besides the chosen one), got {value!r}"
                 )
-
-    def __hash__(self) -> int:  # the generated hash would fail on the lists and the logit_bias dict
-        def frozen(v: object) -> object:
-            return tuple(v) if isinstance(v, list) else frozenset(v.items()) if isinstance(v, dict) else v
-
-        return hash(tuple(frozen(getattr(self, f.name)) for f in fields(self)))
 
     @property
     def adjusts_logits(self) -> bool:
