@@ -165,6 +165,31 @@ LABS: dict[int, LabSpec] = {
         ),
         # Pure Python: the models run in the grader, which replays the scheduler's decisions.
     ),
+    5: LabSpec(
+        number=5,
+        name="chunked-prefill",
+        title="Lab 5: Chunked prefill",
+        notebook="lab05_chunked_prefill.ipynb",
+        setup_cells=("setup",),
+        graded_cells=MappingProxyType(
+            {
+                "chunk-mask": ("chunk_mask",),
+                "plan-prefill": ("plan_prefill",),
+                "scheduler": ("Scheduler",),
+            }
+        ),
+        blocked_modules=MappingProxyType(
+            {
+                "nanolab": _OWN_CODE,
+                "autograder": "graded code may not use the grader",
+                "vllm": "your scheduler must be your own",
+            }
+        ),
+        # chunk_mask returns a torch tensor (a few KB); the models run in the grader, which prefills with
+        # the learner's masks and replays the scheduler's decisions. torch is preloaded because importing
+        # it maps a lot of address space; numpy carries tensors across.
+        preload=("torch", "numpy"),
+    ),
 }
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from nanolab import _ext
 from nanolab.memory.paging import cdiv
-from nanolab.model.attention import sdpa
+from nanolab.model.attention import chunk_mask, sdpa
 
 Backend = Literal["auto", "cpp", "torch"]
 
@@ -198,7 +198,7 @@ def torch_prefill(
     k = gather_kv(k_cache, block_table, context_len)  # (ctx, nkv, hs)
     v = gather_kv(v_cache, block_table, context_len)
     first = context_len - q_len  # position of the first query token
-    mask = None if first == 0 else torch.arange(context_len) <= torch.arange(first, context_len)[:, None]
+    mask = None if first == 0 else chunk_mask(first, q_len)
     return sdpa(q, k, v, mask=mask, causal=first == 0, scale=scale)
 
 

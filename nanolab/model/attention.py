@@ -38,6 +38,26 @@ def dense_causal_attention(
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
 
+def chunk_mask(start: int, num_new: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Which keys each query of a chunk may look at, when the chunk's ``num_new`` tokens come after
+    ``start`` tokens already in the KV cache (chunked prefill, a cached prefix, a decode step).
+
+    Returns a (num_new, start + num_new) bool tensor, True where query i may look: query i sits at
+    position ``start + i`` and sees positions ``0 .. start + i``, the whole cached prefix and the chunk up
+    to itself. ``start = 0`` gives the square causal mask; ``num_new = 1`` a row of True.
+
+    Example:
+        >>> chunk_mask(2, 3).int()
+        tensor([[1, 1, 1, 0, 0],
+                [1, 1, 1, 1, 0],
+                [1, 1, 1, 1, 1]], dtype=torch.int32)
+    """
+    if start < 0 or num_new < 0:
+        raise ValueError(f"start and num_new must be >= 0, got start={start}, num_new={num_new}")
+    rows = torch.arange(start, start + num_new, device=device)[:, None]  # (num_new, 1): each query's position
+    return torch.arange(start + num_new, device=device)[None, :] <= rows
+
+
 def sdpa(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from nanolab.model.attention import sdpa
+from nanolab.model.attention import chunk_mask, sdpa
 
 if TYPE_CHECKING:
     from nanolab.model.config import ModelConfig
@@ -121,6 +121,5 @@ class ContiguousKVCache:
             mask, is_causal = None, T > 1
         else:
             # New token i sits at position start + i and sees cached positions 0 .. start + i.
-            rows = torch.arange(start, end, device=q.device)[:, None]
-            mask, is_causal = torch.arange(end, device=q.device)[None, :] <= rows, False  # (T, L)
+            mask, is_causal = chunk_mask(start, T, q.device), False  # (T, L)
         return sdpa(q, self.k[layer, :end], self.v[layer, :end], mask=mask, causal=is_causal)
