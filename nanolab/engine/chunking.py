@@ -48,7 +48,9 @@ def plan_prefill(
         [[2, 2, 0], [2, 0, 2], [0, 2, 2]]
     """
     if order not in PREFILL_ORDERS:
-        raise ValueError(f"unknown prefill order {order!r}; the orders are {', '.join(map(repr, PREFILL_ORDERS))}")
+        raise ValueError(
+            f"unknown prefill order {order!r}; the orders are {', '.join(map(repr, PREFILL_ORDERS))}"
+        )
     if budget < 1:
         raise ValueError(f"budget must be at least 1 token, got {budget}")
     if num_decodes < 0:
