@@ -230,7 +230,9 @@ def where(events: list[tuple], i: int) -> str:
     return f"at the {kind} of request {events[i][1]!r} (after step {step})"
 
 
-def first_difference(mine: list, theirs: list, events: list[tuple]) -> tuple[int, str] | None:
+def first_difference(
+    mine: list, theirs: list, events: list[tuple], chunked: bool = False
+) -> tuple[int, str] | None:
     for i, (a, b) in enumerate(zip(mine, theirs)):
         a, b = comparable(a), comparable(b)
         if a == b:
@@ -254,10 +256,13 @@ def first_difference(mine: list, theirs: list, events: list[tuple]) -> tuple[int
             return i, "your scheduler preempted other requests (or in another order) than nanolab's"
         if batch_a != batch_b:
             if sorted(batch_a) == sorted(batch_b):
-                return i, (
-                    "your batch has the right requests and token counts in another order: running requests first "
-                    "(most important first), then admissions in waiting_order"
+                order = (
+                    "decodes first, then prompts in progress (most important first in each), then admissions in "
+                    "waiting_order"
+                    if chunked
+                    else "running requests first (most important first), then admissions in waiting_order"
                 )
+                return i, f"your batch has the right requests and token counts in another order: {order}"
             if batch_a[: len(batch_b)] == batch_b:
                 return i, (
                     "your scheduler put more into this step than nanolab's: check the token budget, the seats "
@@ -279,7 +284,7 @@ def compare_with_reference(lab, cfg: dict, events: list[tuple], label: str) -> N
     compared, so the feedback names the field that is wrong rather than the decision it led to."""
     mine, scheduler, allocator = learner_replay(lab, cfg, events)
     theirs, reference = reference_replay(cfg, events)
-    diff = first_difference(mine, theirs, events)
+    diff = first_difference(mine, theirs, events, cfg.get("chunked", False))
     if diff is not None:
         i, what = diff
         if i > 0:
