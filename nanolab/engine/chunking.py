@@ -33,9 +33,9 @@ def plan_prefill(
     ``budget`` goes to the prompts not yet done, in ``order`` (see the module): ``"fcfs"`` gives each, in
     list order, ``min(tokens it has left, tokens left in the step)``; ``"round_robin"`` the same capped at
     ``chunk_size``, starting with the prompt after the last one served the step before (in list order,
-    wrapping around, skipping finished prompts; that last one may have been cut short by the budget). Returns one row per step until every prompt is done; row
-    ``s`` holds the tokens prompt ``i`` computes at step ``s`` at index ``i`` (0 if none); ``[]`` for no
-    prompts.
+    wrapping around, skipping finished prompts; that last one may have been cut short by the budget).
+    Returns one row per step until every prompt is done; row ``s`` holds the tokens prompt ``i`` computes
+    at step ``s`` at index ``i`` (0 if none); ``[]`` for no prompts.
 
     Raises ValueError for a budget below 1, a negative ``num_decodes``, decodes that take the whole budget
     (the prompts would never advance), a prompt shorter than 1 token, another order, or round robin
