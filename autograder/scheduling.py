@@ -245,7 +245,7 @@ def first_difference(
                         i,
                         f"add should refuse a request that can never run ({events[i][2]} tokens) with ValueError",
                     )
-                return i, f"add refused a request of {events[i][2]} tokens that can run"
+                return i, f"add refused a request of {events[i][2]} tokens that can run (it raised {a[1]})"
             if a[0] == "error":
                 return i, f"{'schedule' if kind == 'step' else kind} raised {a[1]}"
             return i, f"{kind} answered differently"

@@ -33,6 +33,7 @@ from autograder.scheduling import (
     compare_with_reference,
     describe,
     drive,
+    first_difference,
     learner_replay,
     learner_scheduler,
     random_config,
@@ -403,9 +404,11 @@ def test_schedule_speed_is_within_budget(lab, rng):
         before = lab.cpu_seconds()
         got = expect(lab.replay_schedule(scheduler, events), list, "replay_schedule(...)")
         elapsed = lab.cpu_seconds() - before
-    assert [comparable(r) for r in got] == [comparable(r) for r in want], (
-        "only a correct result counts: your scheduler's steps differ from nanolab's on this workload"
-    )
+    diff = first_difference(got, want, events, chunked=True)
+    if diff is not None:
+        raise AssertionError(
+            f"only a correct result counts: on this workload, {where(events, diff[0])}: {diff[1]}"
+        )
     check_state(scheduler, allocator, reference, "on the speed workload")
     assert elapsed <= budget, (
         f"50 steps with {n} running requests took {elapsed:.2f} s of CPU time; the budget is {budget:.2f} s "
@@ -467,7 +470,9 @@ def test_your_chunked_decisions_give_the_unchunked_outputs_in_the_engine(lab, rn
             if events[i][0] == "step" and record[0] != "step":
                 raise AssertionError(f"{label}, {where(events, i)}: schedule raised {record[1]}")
             if events[i][0] == "add" and record[0] != "ok":
-                raise AssertionError(f"{label}: add refused request {events[i][1]!r}, which can run")
+                raise AssertionError(
+                    f"{label}: add refused request {events[i][1]!r}, which can run (it raised {record[1]})"
+                )
         steps = [r for e, r in zip(events, records) if e[0] == "step"]
         settings = dict(block_size=cfg["block_size"], num_blocks=cfg["num_blocks"], max_num_seqs=cfg["max_num_seqs"],
                         scheduling_policy=cfg["scheduling_policy"], aging_steps=cfg["aging_steps"],
