@@ -16,6 +16,7 @@ A settings dict (``cfg``) has ``block_size``, ``num_blocks``, ``max_num_seqs``,
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -479,3 +480,35 @@ def tie_at(model, prompt: list[int], want: list[int], got: list[int]) -> bool | 
             top = model.logits(torch.tensor([prompt + want[:i]]))[0, -1].topk(2).values
             return float(top[0] - top[1]) < TIE_GAP
     return None if len(want) == len(got) else False
+
+
+def check_speed(lab, cfg: dict, events: list[tuple], what: str) -> None:
+    """The learner's replay of ``events`` is nanolab's, and takes at most 20x the CPU time of nanolab's
+    scheduler (the best of 3 runs) + 0.5 s. Each side is timed by its own CPU time (the reference's thread
+    here, the learner's processes as the grader reads them), so a busy machine does not move the budget.
+    ``what`` says what the workload is, for the message."""
+    learner_replay(
+        lab, dict(cfg, num_blocks=8, max_num_seqs=2), events[:2] + [("step",)]
+    )  # fail fast if missing
+    timings = []
+    for _ in range(3):
+        start = time.thread_time()
+        want, reference = reference_replay(cfg, events)
+        timings.append(time.thread_time() - start)
+    budget = 20 * min(timings) + 0.5
+    scheduler, allocator = learner_scheduler(lab, cfg)
+    with lab.time_limit(2 * budget + 5.0):
+        before = lab.cpu_seconds()
+        got = expect(lab.replay_schedule(scheduler, events), list, "replay_schedule(...)")
+        elapsed = lab.cpu_seconds() - before
+    diff = first_difference(got, want, events, cfg.get("chunked", False))
+    if diff is not None:
+        raise AssertionError(
+            f"only a correct result counts: on this workload, {where(events, diff[0])}: {diff[1]}"
+        )
+    check_state(scheduler, allocator, reference, "on the speed workload")
+    assert elapsed <= budget, (
+        f"{what} took {elapsed:.2f} s of CPU time; the budget is {budget:.2f} s (20x nanolab's scheduler + "
+        "0.5 s): a step should do a few operations per running request, not work that grows with their number "
+        "for each of them"
+    )

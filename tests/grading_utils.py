@@ -118,3 +118,30 @@ def check_planted_bug_is_caught(
     status = {t.id: t.status for t in result.tests}
     assert status[catcher] == "failed", f"{catcher} did not catch {name}"
     assert 0 < result.score < result.max_score
+
+
+# A setup cell whose replay_schedule plays a correct scheduler of its own (the solution's code, run in a
+# namespace of its own) and never touches the scheduler it is given: its records are right, the learner's
+# Scheduler is a stub (Labs 4 and 5).
+OWN_REPLAY = """
+
+_OWN = {own!r}
+_plain_replay = replay_schedule
+
+
+def replay_schedule(scheduler, events, new_request=None):
+    namespace = dict(globals())
+    exec(_OWN, namespace)
+    blocks = scheduler.block_manager
+    own = namespace["Scheduler"](
+        scheduler.config, BlockManager(BlockAllocator(blocks.allocator.num_total), blocks.block_size)
+    )
+    return _plain_replay(own, events, new_request)
+"""
+
+
+def replay_ignoring_the_scheduler(nb: dict, own: str) -> None:
+    """Make the setup cell's replay_schedule run ``own`` (a correct scheduler's code) instead of the
+    scheduler it is given."""
+    setup = cell(nb, "setup")
+    setup["source"] = "".join(setup["source"]) + OWN_REPLAY.format(own=own)

@@ -22,6 +22,7 @@ from grading_utils import (
     cell,
     check_planted_bug_is_caught,
     check_solution_scores_full_marks,
+    replay_ignoring_the_scheduler,
 )
 from grading_utils import sub as _sub
 
@@ -164,30 +165,8 @@ def _solution_code(*grade_ids: str) -> str:
     return "\n\n".join("".join(cell(solution, g)["source"]) for g in grade_ids)
 
 
-# A setup cell whose replay_schedule plays a correct scheduler of its own (the solution's code, run in a
-# namespace of its own) and never touches the scheduler it is given: its records are right, the learner's
-# Scheduler is a stub.
-OWN_REPLAY = """
-
-_OWN = {own!r}
-_plain_replay = replay_schedule
-
-
-def replay_schedule(scheduler, events, new_request=None):
-    namespace = dict(globals())
-    exec(_OWN, namespace)
-    blocks = scheduler.block_manager
-    own = namespace["Scheduler"](
-        scheduler.config, BlockManager(BlockAllocator(blocks.allocator.num_total), blocks.block_size)
-    )
-    return _plain_replay(own, events, new_request)
-"""
-
-
 def _replay_ignores_the_scheduler(nb: dict) -> None:
-    own = _solution_code("transitions", "policies", "victim", "scheduler")
-    setup = cell(nb, "setup")
-    setup["source"] = "".join(setup["source"]) + OWN_REPLAY.format(own=own)
+    replay_ignoring_the_scheduler(nb, _solution_code("transitions", "policies", "victim", "scheduler"))
 
 
 TAMPERED = {

@@ -21,6 +21,7 @@ from grading_utils import (
     check_blank_lab_scores_zero,
     check_planted_bug_is_caught,
     check_solution_scores_full_marks,
+    replay_ignoring_the_scheduler,
 )
 from grading_utils import sub as _sub
 
@@ -92,30 +93,8 @@ def _lying(nb: dict) -> None:
             _sub(nb, grade_id, STUB, replacement, 1)
 
 
-# A setup cell whose replay_schedule plays a correct scheduler of its own (the solution's code, run in a
-# namespace of its own) and never touches the scheduler it is given: its records are right, the learner's
-# Scheduler is a stub.
-OWN_REPLAY = """
-
-_OWN = {own!r}
-_plain_replay = replay_schedule
-
-
-def replay_schedule(scheduler, events, new_request=None):
-    namespace = dict(globals())
-    exec(_OWN, namespace)
-    blocks = scheduler.block_manager
-    own = namespace["Scheduler"](
-        scheduler.config, BlockManager(BlockAllocator(blocks.allocator.num_total), blocks.block_size)
-    )
-    return _plain_replay(own, events, new_request)
-"""
-
-
 def _replay_ignores_the_scheduler(nb: dict) -> None:
-    own = "".join(cell(json.loads(SOLUTION.read_text()), "scheduler")["source"])
-    setup = cell(nb, "setup")
-    setup["source"] = "".join(setup["source"]) + OWN_REPLAY.format(own=own)
+    replay_ignoring_the_scheduler(nb, "".join(cell(json.loads(SOLUTION.read_text()), "scheduler")["source"]))
 
 
 TAMPERED = {

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import math
 import random
-import time
 
 import pytest
 import torch
@@ -28,12 +27,12 @@ from autograder.scheduling import (
     POLICIES,
     Driver,
     RecordedScheduler,
+    check_speed,
     check_state,
     comparable,
     compare_with_reference,
     describe,
     drive,
-    first_difference,
     learner_replay,
     learner_scheduler,
     random_config,
@@ -390,31 +389,7 @@ def test_schedule_speed_is_within_budget(lab, rng):
     events = [("add", f"r{i}", rng.randint(1, 8) if i % 8 else rng.randint(200, 400), 60, rng.randint(0, 2), float(i))
               for i in range(n)]  # fmt: skip
     events += [("step",)] * 50
-    learner_replay(
-        lab, dict(cfg, num_blocks=8, max_num_seqs=2), events[:2] + [("step",)]
-    )  # fail fast if missing
-    timings = []
-    for _ in range(3):
-        start = time.thread_time()
-        want, reference = reference_replay(cfg, events)
-        timings.append(time.thread_time() - start)
-    budget = 20 * min(timings) + 0.5
-    scheduler, allocator = learner_scheduler(lab, cfg)
-    with lab.time_limit(2 * budget + 5.0):
-        before = lab.cpu_seconds()
-        got = expect(lab.replay_schedule(scheduler, events), list, "replay_schedule(...)")
-        elapsed = lab.cpu_seconds() - before
-    diff = first_difference(got, want, events, chunked=True)
-    if diff is not None:
-        raise AssertionError(
-            f"only a correct result counts: on this workload, {where(events, diff[0])}: {diff[1]}"
-        )
-    check_state(scheduler, allocator, reference, "on the speed workload")
-    assert elapsed <= budget, (
-        f"50 steps with {n} running requests took {elapsed:.2f} s of CPU time; the budget is {budget:.2f} s "
-        "(20x nanolab's scheduler + 0.5 s): a step should do a few operations per running request, not work that "
-        "grows with their number for each of them"
-    )
+    check_speed(lab, cfg, events, f"50 steps with {n} running requests")
 
 
 # ---------------------------------------------------------------------------------------------- in the engine
