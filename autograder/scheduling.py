@@ -223,6 +223,25 @@ def random_workload(
     return events
 
 
+def workload_with_a_readmission(rng, policy: str, chunked: bool | None = None) -> tuple[dict, list[tuple]]:
+    """A random workload (not drained) at whose end a request that was preempted and admitted again is still
+    running, so its state after the readmission (``admitted_seq``, the blocks it got back) is read back from
+    the learner's scheduler whatever the later decisions are."""
+    for _ in range(500):
+        cfg = random_config(rng, policy, chunked=chunked)
+        events = random_workload(rng, cfg, rng.randint(20, 60), drain=False)
+        driver = Driver(cfg)
+        for event in events:
+            driver.play(event)
+        if any(
+            req.num_preemptions and req.status == RequestStatus.RUNNING for req, _ in driver.live.values()
+        ):
+            return cfg, events
+    raise AssertionError(
+        "the grader could not make a workload with a readmission (a grader problem, not yours)"
+    )
+
+
 def where(events: list[tuple], i: int) -> str:
     step = sum(1 for e in events[: i + 1] if e[0] == "step")
     kind = events[i][0]

@@ -83,10 +83,13 @@ def test_the_test_author_api_does_not_pull_in_the_grading_machinery():
 
 
 def test_hidden_tests_use_only_the_test_author_api():
-    """A hidden test module imports from `autograder.testing` only, never the machinery behind it."""
+    """A hidden test module imports from the test-author API only: `autograder.testing`, and checks several
+    labs share that are built on it alone (`autograder.scheduling`), never the machinery behind them."""
     for path in sorted((PACKAGE / "tests").glob("test_lab*.py")):
         used = runtime_imports(path, "autograder", set())
-        assert used <= {"autograder.testing"}, f"{path.name} imports {sorted(used)}"
+        assert used <= {"autograder.testing", "autograder.scheduling"}, f"{path.name} imports {sorted(used)}"
+    shared = runtime_imports(PACKAGE / "scheduling.py", "autograder", set())
+    assert shared <= {"autograder.testing"}, f"scheduling.py imports {sorted(shared)}"
 
 
 def test_the_checks_catch_a_cycle(tmp_path):

@@ -47,6 +47,7 @@ from autograder.scheduling import (
     status_of,
     tie_at,
     where,
+    workload_with_a_readmission,
 )
 from autograder.testing import Remote, RemoteError, bundled_model, expect
 from nanolab.engine.request import Request
@@ -88,12 +89,15 @@ def check_driven(scheduler, allocator, events: list[tuple], records: list, cfg: 
 
 @pytest.mark.points(3)
 def test_scheduler_matches_the_reference_event_by_event_on_random_workloads(lab, rng):
-    """Check Scheduler against nanolab's on random workloads (all policies, random seats, budgets, pools, block sizes, aborts): same batches, preemptions, block tables and errors at every event, and the same state after."""
+    """Check Scheduler against nanolab's on random workloads (all policies, random seats, budgets, pools, block sizes, aborts, and one that ends with a readmitted request running): same batches, preemptions, block tables and errors at every event, and the same state after."""
     for trial in range(12):
         cfg = random_config(rng, POLICIES[trial % 3], seats_within_budget=trial % 4 != 3)
         events = random_workload(rng, cfg, rng.randint(20, 60), drain=False)
         label = f"on a random workload ({describe(cfg)})"
         compare_with_reference(lab, cfg, events, label)
+    for policy in POLICIES:
+        cfg, events = workload_with_a_readmission(rng, policy)
+        compare_with_reference(lab, cfg, events, f"on a random workload with a readmission ({describe(cfg)})")
 
 
 @pytest.mark.points(2)

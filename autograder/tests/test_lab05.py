@@ -40,6 +40,7 @@ from autograder.scheduling import (
     reference_replay,
     tie_at,
     where,
+    workload_with_a_readmission,
 )
 from autograder.testing import RemoteError, bundled_model, expect, expect_value_error, spread_out, stdlib_text
 from nanolab.engine.chunking import plan_prefill
@@ -239,11 +240,14 @@ def test_plan_prefill_edges_and_errors(lab, rng):
 
 @pytest.mark.points(3)
 def test_scheduler_matches_the_reference_event_by_event_with_chunking(lab, rng):
-    """Check Scheduler against nanolab's with chunked prefill on random workloads (prompts up to several budgets long, all policies, random seats, pools and block sizes, aborts): same batches, chunks, preemptions, block tables and errors at every event, and the same state after."""
+    """Check Scheduler against nanolab's with chunked prefill on random workloads (prompts up to several budgets long, all policies, random seats, pools and block sizes, aborts, and one that ends with a readmitted request running): same batches, chunks, preemptions, block tables and errors at every event, and the same state after."""
     for trial in range(12):
         cfg = random_config(rng, POLICIES[trial % 3], seats_within_budget=trial % 4 != 3, chunked=True)
         events = random_workload(rng, cfg, rng.randint(20, 60), drain=False)
         compare_with_reference(lab, cfg, events, f"on a random workload ({describe(cfg)})")
+    for policy in POLICIES:
+        cfg, events = workload_with_a_readmission(rng, policy, chunked=True)
+        compare_with_reference(lab, cfg, events, f"on a random workload with a readmission ({describe(cfg)})")
 
 
 @pytest.mark.points(1)
