@@ -190,6 +190,29 @@ LABS: dict[int, LabSpec] = {
         # it maps a lot of address space; numpy carries tensors across.
         preload=("torch", "numpy"),
     ),
+    6: LabSpec(
+        number=6,
+        name="radix-cache",
+        title="Lab 6: The radix prefix cache",
+        notebook="lab06_radix_cache.ipynb",
+        setup_cells=("setup",),
+        graded_cells=MappingProxyType(
+            {
+                "reusable-prefix": ("reusable_prefix",),
+                "radix-cache": ("RadixCache",),
+            }
+        ),
+        blocked_modules=MappingProxyType(
+            {
+                "nanolab": _OWN_CODE,
+                "autograder": "graded code may not use the grader",
+                "sglang": "your radix cache must be your own",
+                "vllm": "your prefix cache must be your own",
+            }
+        ),
+        # Pure Python: the models run in the grader, whose engine calls the learner's cache and allocator
+        # in the sandbox.
+    ),
 }
 
 

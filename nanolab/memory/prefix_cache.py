@@ -25,6 +25,32 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 
+def reusable_prefix(prompt: Sequence[int], cached: Sequence[int], block_size: int) -> int:
+    """How many of ``prompt``'s tokens a prefix cache holding ``cached`` (a sequence whose whole blocks
+    are cached) serves instead of computing.
+
+    The two share a common prefix of some length; a cache of blocks serves only the whole blocks of it,
+    and never the whole prompt: at least one prompt token is computed, because its logits give the first
+    output token. So the answer is the common prefix, cut down to whole blocks and capped at
+    ``(len(prompt) - 1) // block_size * block_size``. Raises ValueError for a ``block_size`` below 1.
+
+    Example:
+        >>> reusable_prefix([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 9], block_size=2)
+        4
+        >>> reusable_prefix([1, 2, 3, 4], [1, 2, 3, 4], block_size=2)  # the same prompt: one block is computed
+        2
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be at least 1, got {block_size}")
+    common = 0
+    for a, b in zip(prompt, cached):
+        if a != b:
+            break
+        common += 1
+    cap = max(0, (len(prompt) - 1) // block_size * block_size)
+    return min(common // block_size * block_size, cap)
+
+
 class MatchResult(NamedTuple):
     """The longest cached prefix of a prompt, as returned by `PrefixCacheProtocol.match_prefix`."""
 

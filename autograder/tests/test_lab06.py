@@ -1,0 +1,502 @@
+"""Hidden tests for Lab 6 (the radix prefix cache): `reusable_prefix` against nanolab's, the learner's
+`RadixCache` against nanolab's on random and generated sequences of requests, finishes and evictions, its
+edge cases driven through its handle, its speed, and the cache inside nanolab's engine.
+
+Sequences of operations are played around a cache by ``replay_cache`` (the notebook's copy in the sandbox;
+here the same code runs around nanolab's `RadixCache`): one call brings back, for every operation, its
+result, the cache's three sizes and the allocator's free blocks. A notebook's setup cell can be edited, so
+after every replay the learner's cache and allocator are read back through their handles (sizes, every
+block's reference count, the stats) and compared with nanolab's. In the engine, the models run here and
+every call the engine makes to its prefix cache and block allocator goes to the learner's objects in the
+sandbox. Feedback says what is wrong and on which input, never the expected answer.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+
+import nanolab
+from autograder.testing import RemoteError, bundled_model, expect, expect_value_error, stdlib_text
+from nanolab import PyBlockAllocator
+from nanolab.memory.prefix_cache import MatchResult, reusable_prefix
+from nanolab.memory.radix_cache import RadixCache
+
+STDLIB_FILES = ("textwrap.py", "heapq.py", "bisect.py", "shlex.py", "fnmatch.py", "string.py")
+
+pytestmark = pytest.mark.usefixtures("torch_on_one_thread")
+
+
+# ---------------------------------------------------------------------------------------------- reusable_prefix
+
+
+@pytest.mark.points(1)
+def test_reusable_prefix_matches_the_reference(lab, rng):
+    """Check reusable_prefix against nanolab's on random prompts and cached sequences (block sizes 1 to 16, common prefixes ending inside and at block edges, identical prompts), and ValueError for a block size below 1."""
+    cases = [
+        ([7], [7], 1),
+        ([1, 2, 3, 4], [1, 2, 3, 4], 2),
+        ([1, 2], [], 1),
+        ([], [1], 1),
+        ([5, 6, 7], [5, 6, 7, 8, 9], 1),
+    ]
+    for _ in range(80):
+        n = rng.randint(1, 60)
+        prompt = [rng.randint(1, 3) for _ in range(n)]
+        common = rng.randint(0, n)
+        cached = prompt[:common] + [rng.randint(4, 6) for _ in range(rng.randint(0, 20))]
+        cases.append((prompt, cached, rng.choice([1, 2, 3, 4, 8, 16])))
+    for prompt, cached, bs in cases:
+        want = reusable_prefix(prompt, cached, bs)
+        got = expect(lab.reusable_prefix(prompt, cached, bs), int, "reusable_prefix(...)")
+        assert got == want, (
+            f"reusable_prefix of a {len(prompt)}-token prompt sharing its first {_common(prompt, cached)} tokens with "
+            f"the cached sequence, block_size {bs}: yours serves {got} tokens"
+            + (" (more than the prompt minus one token)" if got > len(prompt) - 1 else "")
+            + (" (not a whole number of blocks)" if got % bs else "")
+        )
+    expect_value_error(
+        lambda: lab.reusable_prefix([1], [1], 0), "reusable_prefix with block_size 0 should raise ValueError"
+    )
+
+
+def _common(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------------------- against the reference
+
+
+def random_ops(rng, steps: int, vocab: int = 4) -> list[tuple]:
+    """Requests cut from a few shared sequences (so prefixes repeat and part), finishes, explicit evictions."""
+    bases = [[rng.randint(1, vocab) for _ in range(64)] for _ in range(rng.randint(1, 3))]
+    ops, live = [], []
+    for i in range(steps):
+        r = rng.random()
+        if r < 0.5 or not live:
+            base = rng.choice(bases)
+            start = rng.choice([0, 0, 0, rng.randint(0, 8)])
+            tokens = base[start : start + rng.randint(1, 40)] or [1]
+            if rng.random() < 0.2:
+                tokens = tokens[: rng.randint(0, len(tokens))] + [
+                    rng.randint(1, vocab) for _ in range(rng.randint(1, 8))
+                ]
+            ops.append(("request", f"q{i}", tokens))
+            live.append(f"q{i}")
+        elif r < 0.85:
+            ops.append(("finish", live.pop(rng.randrange(len(live)))))
+        else:
+            ops.append(("evict", rng.randint(0, 8)))
+    return ops
+
+
+def _where(ops: list[tuple], k: int) -> str:
+    op = ops[k]
+    if op[0] == "request":
+        return f"operation {k}, the request {op[1]!r} of {len(op[2])} tokens"
+    if op[0] == "finish":
+        return f"operation {k}, the finish of {op[1]!r}"
+    return f"operation {k}, evict({op[1]})"
+
+
+def _difference(mine: tuple, theirs: tuple) -> str:
+    if mine[0] == "error" or theirs[0] == "error":
+        if theirs[0] != "error":
+            return f"your cache raised {mine[1]}"
+        return "your cache should have raised an error here (nanolab's raises one)"
+    if mine[0] != theirs[0]:
+        return "the request was refused by one cache and not the other (the free blocks differ)"
+    if mine[:-4] != theirs[:-4]:
+        what = {
+            "request": "the match (blocks, tokens)",
+            "finish": "insert's return value",
+            "evict": "evict's return value",
+        }
+        return f"{what.get(mine[0], 'the result')} differs: yours {mine[1:-4]}"
+    names = ("total_size", "evictable_size", "protected_size", "the allocator's free blocks")
+    wrong = [n for n, a, b in zip(names, mine[-4:], theirs[-4:]) if a != b]
+    return f"afterwards {', '.join(wrong)} differ(s): yours {mine[-4:]}"
+
+
+def _comparable(record: tuple) -> tuple:
+    return tuple(record[:2]) if record[:1] == ("error",) else tuple(record)
+
+
+def _replay_both(lab, ops: list[tuple], bs: int, nb: int):
+    allocator = lab.BlockAllocator(nb)
+    cache = lab.RadixCache(allocator, bs)
+    mine = expect(lab.replay_cache(cache, ops), list, "replay_cache(RadixCache(...), ops)")
+    assert len(mine) == len(ops), "replay_cache should return one record per operation"
+    reference = RadixCache(PyBlockAllocator(nb), bs)
+    theirs = lab_free_replay(reference, ops)
+    return mine, theirs, cache, allocator, reference
+
+
+def lab_free_replay(cache, ops):
+    """The notebook's replay_cache, run here around nanolab's cache (the same code as the setup cell's)."""
+    allocator, bs = cache.allocator, cache.block_size
+    live: dict = {}
+    records = []
+    for op in ops:
+        try:
+            if op[0] == "request":
+                _, name, tokens = op
+                m = cache.match_prefix(tokens)
+                cache.lock(m.node)
+                allocator.incref(m.blocks)
+                need = -(-len(tokens) // bs) - len(m.blocks)
+                if need > allocator.num_free:
+                    cache.evict(need - allocator.num_free)
+                if need > allocator.num_free:
+                    allocator.free(m.blocks)
+                    cache.unlock(m.node)
+                    record: tuple = ("refused",)
+                else:
+                    cache.record(len(tokens), m.num_tokens)
+                    live[name] = (list(tokens), list(m.blocks) + allocator.allocate(need), m.node)
+                    record = ("request", list(m.blocks), m.num_tokens)
+            elif op[0] == "finish":
+                tokens, table, node = live.pop(op[1])
+                whole = len(tokens) // bs
+                record = ("finish", cache.insert(tokens, table[:whole]))
+                allocator.free(table)
+                cache.unlock(node)
+            else:
+                record = ("evict", cache.evict(op[1]))
+            record += (cache.total_size, cache.evictable_size, cache.protected_size, allocator.num_free)
+        except Exception as e:
+            record = ("error", type(e).__name__, str(e))
+        records.append(record)
+    return records
+
+
+def check_cache_state(cache, allocator, reference: RadixCache, nb: int, label: str) -> None:
+    """The learner's cache and allocator, read through their handles, against nanolab's after the same
+    operations: what replay_cache reported must be what the objects hold."""
+    where = f"{label}: after the operations, your"
+    for name in ("total_size", "evictable_size", "protected_size"):
+        assert expect(getattr(cache, name), int, f"RadixCache.{name}") == getattr(reference, name), (
+            f"{where} cache's {name} differs from nanolab's"
+        )
+    refs = [expect(allocator.ref_count(b), int, "ref_count") for b in range(nb)]
+    want = [reference.allocator.ref_count(b) for b in range(nb)]
+    assert refs == want, (
+        f"{where} allocator's reference counts differ from nanolab's (blocks {[b for b in range(nb) if refs[b] != want[b]][:8]}): "
+        "the tree holds one reference per block it stores, taken by insert on the new part only"
+    )
+    stats = cache.stats()
+    got = (stats.num_requests, stats.prompt_tokens, stats.cached_tokens)
+    s = reference.stats()
+    assert got == (s.num_requests, s.prompt_tokens, s.cached_tokens), (
+        f"{where} cache's stats differ from nanolab's"
+    )
+
+
+def compare_with_reference(lab, ops: list[tuple], bs: int, nb: int, label: str) -> None:
+    mine, theirs, cache, allocator, reference = _replay_both(lab, ops, bs, nb)
+    for k, (a, b) in enumerate(zip(mine, theirs)):
+        expect(a, tuple, "each record of replay_cache(...)")
+        if _comparable(a) != _comparable(b):
+            raise AssertionError(f"{label}, {_where(ops, k)}: {_difference(a, b)}")
+    check_cache_state(cache, allocator, reference, nb, label)
+
+
+@pytest.mark.points(3)
+def test_cache_matches_the_reference_operation_by_operation(lab, rng):
+    """Check RadixCache against nanolab's on random sequences of requests, finishes and evictions (block sizes 1 to 8, pools that force evictions and refusals): the same matches, insert results, evictions, sizes and free blocks after every operation, and the same reference counts and stats at the end."""
+    for _ in range(16):
+        bs = rng.choice([1, 1, 2, 4, 8])
+        nb = rng.randint(6, 60) // bs + 4
+        ops = random_ops(rng, rng.randint(20, 70))
+        compare_with_reference(lab, ops, bs, nb, f"on random operations (block_size {bs}, {nb} blocks)")
+
+
+@pytest.mark.points(2)
+def test_cache_agrees_with_the_reference_on_generated_sequences(lab, rng):
+    """Check, on sequences generated by hypothesis (and shrunk to the smallest one that fails), that RadixCache gives nanolab's records after every operation."""
+
+    @hypothesis_seed(rng.randrange(2**32))
+    @settings(max_examples=25, deadline=None, database=None, phases=[Phase.generate, Phase.shrink],
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(st.integers(0, 2**32 - 1), st.integers(1, 40), st.sampled_from([1, 2, 4]), st.integers(3, 30))
+    def check(seed, steps, bs, nb):
+        ops = random_ops(random.Random(seed), steps, vocab=3)
+        compare_with_reference(
+            lab, ops, bs, nb, f"on {steps} generated operations (block_size {bs}, {nb} blocks)"
+        )
+
+    check()
+
+
+# ---------------------------------------------------------------------------------------------- edges, through the handle
+
+
+def _fresh(lab, nb: int, bs: int):
+    allocator = lab.BlockAllocator(nb)
+    return lab.RadixCache(allocator, bs), allocator
+
+
+def _insert(lab, cache, allocator, tokens: list[int], bs: int):
+    """A finished request's insert, as the engine does it: blocks allocated, inserted, let go."""
+    blocks = expect(allocator.allocate(len(tokens) // bs), list, "allocate(...)")
+    cached = cache.insert(tokens, blocks)
+    allocator.free(blocks)
+    return cached
+
+
+def _match(cache, tokens: list[int]) -> tuple[list, int, object]:
+    m = expect(cache.match_prefix(tokens), tuple, "match_prefix(...)")
+    assert len(m) == 3, "match_prefix should return a MatchResult(blocks, num_tokens, node)"
+    return expect(m[0], list, "MatchResult.blocks"), expect(m[1], int, "MatchResult.num_tokens"), m[2]
+
+
+@pytest.mark.points(2)
+def test_splits_locks_and_evictions_on_crafted_trees(lab, rng):
+    """Check, through the cache's handle: a split under a lock keeps the path protected, a repeated prompt leaves a token to compute, evict frees leaves before their parents and never a locked path, and lock, unlock, insert and evict refuse what they must, changing nothing."""
+    bs = rng.choice([1, 2, 4])
+    k = rng.randint(2, 4)  # blocks per edge
+    a = [1] * (3 * k * bs)
+    label = f"block_size {bs}"
+    cache, allocator = _fresh(lab, 64, bs)
+    assert _insert(lab, cache, allocator, a, bs) == 0, (
+        f"{label}: the first insert into an empty tree should return 0"
+    )
+    blocks, n, node = _match(cache, a + [2])
+    assert n == len(a), (
+        f"{label}: a prompt whose first {len(a)} tokens are cached should match all {len(a)} of them"
+    )
+    cache.lock(node)
+    # a shorter match ends inside the locked edge: it splits it, and the lock must still cover both parts
+    _, n2, upper = _match(cache, a[: k * bs] + [2])
+    assert n2 == k * bs, f"{label}: the match of a prompt sharing {k} blocks should be {k * bs} tokens"
+    assert cache.protected_size == len(a) and cache.evictable_size == 0, (
+        f"{label}: a split of a locked edge must keep both parts locked: the new node copies the lock count"
+    )
+    assert cache.evict(100) == 0, f"{label}: nothing can be evicted while the only path is locked"
+    cache.unlock(node)
+    expect_value_error(
+        lambda: cache.unlock(node),
+        f"{label}: unlock of a node that is no longer locked should raise ValueError",
+    )
+    assert cache.evictable_size == len(a), f"{label}: unlock makes the whole path evictable again"
+    # a repeated prompt: at least one token is computed, so its last block is not matched (and is split off)
+    _, n3, _ = _match(cache, a)
+    assert n3 == len(a) - bs, (
+        f"{label}: a prompt the cache holds in full must still compute at least one token: {n3} of its {len(a)} "
+        "tokens matched"
+    )
+    # three nodes now: k blocks, 2k - 1 blocks, 1 block; leaves go first, a parent once it is a leaf
+    free_before = allocator.num_free
+    freed = [cache.evict(1)]
+    expect_value_error(lambda: cache.lock(node), f"{label}: lock of an evicted node should raise ValueError")
+    while cache.total_size and len(freed) < 5:
+        freed.append(cache.evict(1))
+    assert freed == [1, 2 * k - 1, k], (
+        f"{label}: a chain of three nodes ({k}, {2 * k - 1} and 1 blocks, from the root down) evicted by evict(1) "
+        f"calls freed {freed} blocks: the leaf goes whole, then its parent once it has become a leaf"
+    )
+    assert allocator.num_free == free_before + 3 * k, f"{label}: evicted blocks go back to the pool"
+    expect_value_error(lambda: cache.evict(-1), f"{label}: evict of a negative count should raise ValueError")
+    before = (cache.total_size, allocator.num_free)
+    expect_value_error(
+        lambda: cache.insert([1] * (2 * bs), [0]),
+        f"{label}: insert with fewer blocks than whole blocks should raise ValueError",
+    )
+    assert (cache.total_size, allocator.num_free) == before, f"{label}: a refused insert changes nothing"
+
+
+@pytest.mark.points(1)
+def test_eviction_order_is_least_recently_used(lab, rng):
+    """Check that evict frees leaves least recently used first, where a match or an insert through a node makes it recent, on a random set of branches."""
+    bs = rng.choice([1, 2])
+    branches = rng.randint(4, 7)
+    cache, allocator = _fresh(lab, 200, bs)
+    reference = RadixCache(PyBlockAllocator(200), bs)
+    seqs = [[b + 10] * (bs * rng.randint(1, 3)) for b in range(branches)]
+    for s in seqs:
+        _insert(lab, cache, allocator, s, bs)
+        blocks = reference.allocator.allocate(len(s) // bs)
+        reference.insert(s, blocks)
+        reference.allocator.free(blocks)
+    for _ in range(branches):
+        s = rng.choice(seqs)
+        _match(cache, s + [1])
+        reference.match_prefix(s + [1])
+    order, want = [], []
+    for _ in range(branches):
+        cache.evict(1)
+        reference.evict(1)
+        order.append(cache.total_size)
+        want.append(reference.total_size)
+    assert order == want, (
+        f"{branches} branches of block_size {bs}, matched in a random order, then evicted one by one: the cached sizes "
+        f"after each evict(1) are {order}: the least recently matched or inserted leaf goes first"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- speed
+
+
+def speed_ops(rng, n: int = 400) -> list[tuple]:
+    """n requests, each finished at once, cut from 20 random sequences of a large vocabulary and given a
+    random tail: a tree of a few thousand cached tokens with many branches; then everything is evicted."""
+    bases = [[rng.randint(1, 1000) for _ in range(64)] for _ in range(20)]
+    ops: list[tuple] = []
+    for i in range(n):
+        tokens = rng.choice(bases)[: rng.randint(1, 64)] + [
+            rng.randint(1, 1000) for _ in range(rng.randint(1, 10))
+        ]
+        ops += [("request", f"s{i}", tokens), ("finish", f"s{i}")]
+    return ops + [("evict", 10**6)]
+
+
+@pytest.mark.points(1)
+def test_cache_speed_is_within_budget(lab, rng):
+    """Check that 400 requests building a tree of about 3,400 cached tokens, then its whole eviction, take at most 20x the CPU time of nanolab's cache, + 0.5 s.
+
+    Both sides run the same replay (the notebook's copy in the sandbox, the same code here), each timed by its
+    own CPU time. Reference figures on a 2-core machine: nanolab's cache (a heap of evictable leaves) takes
+    about 0.02 s, so the budget is about 0.95 s; the solution, which scans the tree for every leaf it evicts,
+    about 0.2 s. One that lists the tree's nodes for every block it compares takes about 1.1 s, at the edge
+    of the budget; one that finds a node's children by scanning the whole tree takes 16 s and fails.
+    """
+    bs, nb = 1, 20000
+    ops = speed_ops(rng)
+    timings = []
+    for _ in range(3):
+        start = time.thread_time()
+        want = lab_free_replay(RadixCache(PyBlockAllocator(nb), bs), ops)
+        timings.append(time.thread_time() - start)
+    budget = 20 * min(timings) + 0.5
+    cache, allocator = _fresh(lab, nb, bs)
+    with lab.time_limit(2 * budget + 5.0):
+        before = lab.cpu_seconds()
+        got = expect(lab.replay_cache(cache, ops), list, "replay_cache(...)")
+        elapsed = lab.cpu_seconds() - before
+    for k, (a, b) in enumerate(zip(got, want)):
+        if _comparable(a) != _comparable(b):
+            raise AssertionError(
+                f"only a correct result counts: on this workload, {_where(ops, k)}: {_difference(a, b)}"
+            )
+    assert elapsed <= budget, (
+        f"the workload took {elapsed:.2f} s of CPU time; the budget is {budget:.2f} s (20x nanolab's cache + 0.5 s): "
+        "finding a block's child, a leaf to evict or a node's parent should not scan the whole tree each time"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- in the engine
+
+
+class SandboxAllocator:
+    """The engine's block allocator: every call goes to the learner's BlockAllocator in the sandbox."""
+
+    def __init__(self, remote) -> None:
+        self.remote = remote
+        self.num_total = remote.num_total
+
+    @property
+    def num_free(self) -> int:
+        return self.remote.num_free
+
+    def allocate(self, n: int) -> list[int]:
+        return list(self.remote.allocate(n))
+
+    def free(self, block_ids) -> None:
+        self.remote.free(list(block_ids))
+
+    def incref(self, block_ids) -> None:
+        self.remote.incref(list(block_ids))
+
+    def ref_count(self, block_id: int) -> int:
+        return self.remote.ref_count(block_id)
+
+
+class SandboxCache:
+    """The engine's prefix cache: every call goes to the learner's RadixCache in the sandbox."""
+
+    def __init__(self, remote, block_size: int) -> None:
+        self.remote = remote
+        self.block_size = block_size
+
+    def match_prefix(self, token_ids) -> MatchResult:
+        blocks, num_tokens, node = _match(self.remote, list(token_ids))
+        return MatchResult(blocks, num_tokens, node)
+
+    def lock(self, node) -> None:
+        self.remote.lock(node)
+
+    def unlock(self, node) -> None:
+        self.remote.unlock(node)
+
+    def insert(self, token_ids, blocks) -> int:
+        return expect(self.remote.insert(list(token_ids), list(blocks)), int, "insert(...)")
+
+    def evict(self, num_blocks: int) -> int:
+        return expect(self.remote.evict(num_blocks), int, "evict(...)")
+
+    def record(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.remote.record(prompt_tokens, cached_tokens)
+
+    def stats(self):
+        return self.remote.stats()
+
+    @property
+    def total_size(self) -> int:
+        return self.remote.total_size
+
+
+@pytest.mark.points(3)
+def test_your_cache_in_the_engine_gives_the_uncached_outputs_and_the_reference_hit_rate(lab, rng):
+    """Check that nanolab's engine, with your RadixCache (and the notebook's allocator) as its prefix cache, on the bundled model, gives the greedy outputs of no cache, nanolab's hit rate, and ends with every block free or the tree's."""
+    model, tokenizer = bundled_model()
+    ids = tokenizer.encode(stdlib_text(*STDLIB_FILES))
+    bs = rng.choice([2, 4])
+    base = ids[rng.randrange(len(ids) - 200) :][:200]
+    prompts = []
+    for _ in range(12):
+        shared = rng.choice([0, 5, 17, 40, 90])
+        start = rng.randrange(len(ids) - 40)
+        prompts.append(base[:shared] + ids[start : start + rng.randint(3, 25)])
+    params = nanolab.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    nb = 180 // bs
+    settings = dict(block_size=bs, num_blocks=nb, max_num_seqs=3)
+    label = f"in the engine (block_size {bs}, {nb} blocks, 12 prompts sharing prefixes of 0 to 90 tokens)"
+    plain = nanolab.LLM(model, tokenizer, enable_prefix_caching=False, **settings)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    reference = nanolab.LLM(model, tokenizer, enable_prefix_caching=True, **settings)
+    reference.generate(prompts, params, use_tqdm=False)
+    remote_allocator = lab.BlockAllocator(nb)
+    remote_cache = lab.RadixCache(remote_allocator, bs)
+    yours = nanolab.LLM(model, tokenizer, enable_prefix_caching=True, block_allocator=SandboxAllocator(remote_allocator),
+                        prefix_cache=SandboxCache(remote_cache, bs), **settings)  # fmt: skip
+    try:
+        got = [o.outputs[0].token_ids for o in yours.generate(prompts, params, use_tqdm=False)]
+    except RemoteError as e:
+        raise AssertionError(f"{label}: your cache raised {e.type_name} when the engine called it") from None
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a == b, (
+            f"{label}: prompt {i} ({len(prompts[i])} tokens) was continued differently with your cache: a matched block "
+            "must hold exactly the prompt's tokens at those positions (whole blocks, in order, split at the right block)"
+        )
+    mine, theirs = yours.stats().prefix_hit_rate, reference.stats().prefix_hit_rate
+    assert mine == theirs, (
+        f"{label}: your cache served {mine:.1%} of the prompt tokens, nanolab's {theirs:.1%}"
+    )
+    assert remote_cache.protected_size == 0, (
+        f"{label}: every request finished, yet your cache still has locked paths"
+    )
+    held = remote_cache.total_size // bs
+    assert remote_allocator.num_free + held == nb, (
+        f"{label}: every request finished, so every block should be free or the tree's: a request lets go of its "
+        "references, the tree keeps exactly one"
+    )
