@@ -112,7 +112,8 @@ def _where(ops: list[tuple], k: int) -> str:
 def _difference(mine: tuple, theirs: tuple) -> str:
     if mine[0] == "error" or theirs[0] == "error":
         if theirs[0] != "error":
-            return f"your cache raised {mine[1]}"
+            message = str(mine[2]) if len(mine) > 2 else ""
+            return f"your cache raised {mine[1]}" + (f" ({message[:160]})" if message else "")
         return "your cache should have raised an error here (nanolab's raises one)"
     if mine[0] != theirs[0]:
         return "the request was refused by one cache and not the other (the free blocks differ)"
@@ -322,7 +323,8 @@ def test_eviction_order_is_least_recently_used(lab, rng):
     branches = rng.randint(4, 7)
     cache, allocator = _fresh(lab, 200, bs)
     reference = RadixCache(PyBlockAllocator(200), bs)
-    seqs = [[b + 10] * (bs * rng.randint(1, 3)) for b in range(branches)]
+    # branches of different lengths, so the cached size after each eviction says which branch went
+    seqs = [[b + 10] * (bs * (b + 1)) for b in rng.sample(range(branches), branches)]
     for s in seqs:
         _insert(lab, cache, allocator, s, bs)
         blocks = reference.allocator.allocate(len(s) // bs)
@@ -374,8 +376,9 @@ def test_cache_speed_is_within_budget(lab, rng):
     ops = speed_ops(rng)
     timings = []
     for _ in range(3):
+        reference = RadixCache(PyBlockAllocator(nb), bs)
         start = time.thread_time()
-        want = lab_free_replay(RadixCache(PyBlockAllocator(nb), bs), ops)
+        want = lab_free_replay(reference, ops)
         timings.append(time.thread_time() - start)
     budget = 20 * min(timings) + 0.5
     cache, allocator = _fresh(lab, nb, bs)
@@ -388,6 +391,7 @@ def test_cache_speed_is_within_budget(lab, rng):
             raise AssertionError(
                 f"only a correct result counts: on this workload, {_where(ops, k)}: {_difference(a, b)}"
             )
+    check_cache_state(cache, allocator, reference, nb, "on the speed workload")
     assert elapsed <= budget, (
         f"the workload took {elapsed:.2f} s of CPU time; the budget is {budget:.2f} s (20x nanolab's cache + 0.5 s): "
         "finding a block's child, a leaf to evict or a node's parent should not scan the whole tree each time"
