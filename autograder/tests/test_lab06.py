@@ -308,12 +308,14 @@ def test_splits_locks_and_evictions_on_crafted_trees(lab, rng):
     )
     assert allocator.num_free == free_before + 3 * k, f"{label}: evicted blocks go back to the pool"
     expect_value_error(lambda: cache.evict(-1), f"{label}: evict of a negative count should raise ValueError")
-    before = (cache.total_size, allocator.num_free)
+    held = expect(allocator.allocate(1), list, "allocate(1)")
+    before = (cache.total_size, allocator.num_free, allocator.ref_count(held[0]))
     expect_value_error(
-        lambda: cache.insert([1] * (2 * bs), [0]),
-        f"{label}: insert with fewer blocks than whole blocks should raise ValueError",
+        lambda: cache.insert([1] * (2 * bs), held),
+        f"{label}: insert of {2 * bs} tokens (2 whole blocks) with 1 block should raise ValueError",
     )
-    assert (cache.total_size, allocator.num_free) == before, f"{label}: a refused insert changes nothing"
+    after = (cache.total_size, allocator.num_free, allocator.ref_count(held[0]))
+    assert after == before, f"{label}: a refused insert changes nothing (no node, no reference taken)"
 
 
 @pytest.mark.points(1)
@@ -343,6 +345,27 @@ def test_eviction_order_is_least_recently_used(lab, rng):
     assert order == want, (
         f"{branches} branches of block_size {bs}, matched in a random order, then evicted one by one: the cached sizes "
         f"after each evict(1) are {order}: the least recently matched or inserted leaf goes first"
+    )
+
+
+@pytest.mark.points(1)
+def test_a_node_used_through_a_descendant_is_recent(lab, rng):
+    """Check that a match or insert makes recent every node on its path, not only the one it ends at: a parent used through its children outlives an older leaf once the children are gone."""
+    bs = rng.choice([1, 2, 4])
+    x = lambda a: [a] * bs  # noqa: E731 - one block of token a
+    cache, allocator = _fresh(lab, 64, bs)
+    _insert(lab, cache, allocator, x(1) + x(2), bs)  # a node [1 | 2]
+    _insert(lab, cache, allocator, x(5), bs)  # a leaf [5]
+    _, _, five = _match(cache, x(5) + [9])
+    cache.lock(five)  # a running request holds [5]
+    _insert(lab, cache, allocator, x(1) + x(3), bs)  # splits [1 | 2]: [1] over [2] and [3]; [1] is used now
+    assert cache.evict(2) == 2, f"block_size {bs}: evict(2) should free the two unlocked leaves [2] and [3]"
+    cache.unlock(five)
+    cache.evict(1)
+    _, kept, _ = _match(cache, x(1) + [9])
+    assert kept == bs, (
+        f"block_size {bs}: [1] was used (by the insert of [1 | 3]) after [5] was: when both are unlocked leaves, "
+        "evict(1) should free [5]: a match or an insert makes every node on its path recent"
     )
 
 
