@@ -145,3 +145,18 @@ def replay_ignoring_the_scheduler(nb: dict, own: str) -> None:
     scheduler it is given."""
     setup = cell(nb, "setup")
     setup["source"] = "".join(setup["source"]) + OWN_REPLAY.format(own=own)
+
+
+def solution_namespace(name: str) -> dict:
+    """Run the setup and graded cells of ``solutions/<name>`` (no experiments) and return their namespace:
+    a module's, registered in ``sys.modules`` so that the cells' dataclasses can find it."""
+    import sys
+    import types
+
+    from autograder.notebook import read_submission
+
+    module = types.ModuleType(f"solution_{Path(name).stem}")
+    sys.modules[module.__name__] = module
+    for c in read_submission(Path(__file__).resolve().parents[1] / "solutions" / name).cells:
+        exec(compile(c["source"], f"<cell {c['id']}>", "exec"), module.__dict__)
+    return module.__dict__

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from grading_utils import solution_namespace
 
 import nanolab
 from nanolab.engine.chunking import plan_prefill
@@ -104,12 +105,7 @@ def test_no_prompts_no_steps_even_when_the_decodes_fill_the_budget():
 
 
 def _lab05() -> dict:
-    from autograder.notebook import read_submission
-
-    namespace: dict = {"__name__": "__main__"}
-    for cell in read_submission(LAB05).cells:
-        exec(compile(cell["source"], f"<cell {cell['id']}>", "exec"), namespace)
-    return namespace
+    return solution_namespace(LAB05.name)
 
 
 def test_lab05_docstring_examples_run_on_the_solution():

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from grading_utils import solution_namespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -130,13 +131,7 @@ def test_check_notebooks_reports_bad_nbgrader_metadata(tmp_path):
 
 
 def _solution_namespace(name: str = "lab01_tokenizer.ipynb") -> dict:
-    """Run the setup and graded cells of a solution notebook (no experiments) and return the namespace."""
-    from autograder.notebook import read_submission
-
-    namespace: dict = {"__name__": "__main__"}
-    for cell in read_submission(ROOT / "solutions" / name).cells:
-        exec(compile(cell["source"], f"<cell {cell['id']}>", "exec"), namespace)
-    return namespace
+    return solution_namespace(name)
 
 
 def test_lab01_setup_patterns_are_the_reference_patterns():
