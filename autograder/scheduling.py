@@ -15,6 +15,7 @@ A settings dict (``cfg``) has ``block_size``, ``num_blocks``, ``max_num_seqs``,
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import time
@@ -24,6 +25,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
+import nanolab
 from autograder.testing import Remote, expect
 from nanolab import PyBlockAllocator
 from nanolab.engine.config import EngineConfig
@@ -564,3 +566,61 @@ def check_generated_workloads(lab, rng, chunking: bool) -> None:
         )
 
     check()
+
+
+def engine_events(
+    rng, cfg: dict, prompts: dict[str, list[int]], outputs: dict[str, int]
+) -> tuple[list[tuple], Driver]:
+    """The prompts arriving over the first steps (greedy, ``outputs[rid]`` tokens each), then steps for twice
+    as long as nanolab's scheduler needs to finish them all; and the `Driver` that ran them with nanolab's."""
+    events: list[tuple] = []
+    driver = Driver(cfg)
+    for rid in prompts:
+        events.append(("add", rid, len(prompts[rid]), outputs[rid], rng.randint(0, 2), float(len(events))))
+        events += [("step",)] * rng.choice([0, 0, 1, 2])
+    for event in events:
+        driver.play(event)
+    while driver.live:
+        driver.play(("step",))
+    events += [("step",)] * (2 * driver.steps - sum(e[0] == "step" for e in events) + 20)
+    return events, driver
+
+
+def recorded_steps(lab, cfg: dict, events: list[tuple], label: str) -> tuple[list, list, Remote, Remote]:
+    """The learner's replay of an engine workload, which must neither fail a step nor refuse a request that
+    can run: its records, its step records, and its scheduler and allocator (handles)."""
+    records, scheduler, allocator = learner_replay(lab, cfg, events)
+    for i, record in enumerate(records):
+        if events[i][0] == "step" and record[0] != "step":
+            raise AssertionError(f"{label}, {where(events, i)}: schedule raised {record[1]}")
+        if events[i][0] == "add" and record[0] != "ok":
+            raise AssertionError(
+                f"{label}: add refused request {events[i][1]!r}, which can run (it raised {record[1]})"
+            )
+    return records, [r for e, r in zip(events, records) if e[0] == "step"], scheduler, allocator
+
+
+def compare_in_engine(model, tokenizer, steps: list, events: list[tuple], prompts: dict, want: dict, settings: dict,
+                      label: str, reference: str, ties: int) -> int:  # fmt: skip
+    """nanolab's engine playing back the learner's step records (`RecordedScheduler`) must give the greedy
+    outputs ``want`` (what ``reference`` gave), but where the reference's top two logits are a near tie.
+    Returns ``ties`` plus the near ties accepted."""
+    learners = nanolab.LLM(
+        model, tokenizer, scheduler=functools.partial(RecordedScheduler, steps), **settings
+    )
+    try:
+        got = drive(learners, events, prompts)
+    except AssertionError as e:
+        raise AssertionError(f"{label}: {e}") from None
+    for rid, prompt in prompts.items():
+        tie = tie_at(model, prompt, want[rid], got[rid])
+        if tie is None:
+            continue
+        assert tie, (
+            f"{label}, the engine continued request {rid!r} ({len(prompt)}-token prompt) differently from {reference}: "
+            "its tokens were computed from the wrong keys and values (a block in the tables of two running requests, "
+            "a running request's blocks changed, or a chunk that does not start where the last one ended) "
+            f"({ties} near-tie(s) of the top two logits accepted so far)"
+        )
+        ties += 1
+    return ties

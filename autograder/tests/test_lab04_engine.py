@@ -29,20 +29,21 @@ import nanolab
 from autograder.scheduling import (
     POLICIES,
     Driver,
-    RecordedScheduler,
     check_generated_workloads,
     check_speed,
+    compare_in_engine,
     compare_with_reference,
     describe,
     drive,
+    engine_events,
     learner_replay,
     learner_scheduler,
     random_config,
     random_workload,
+    recorded_steps,
     reference_scheduler,
     request_state,
     status_of,
-    tie_at,
     where,
     workload_with_a_readmission,
 )
@@ -551,19 +552,8 @@ def _engine_workload(rng, tokenizer) -> tuple[dict, dict, list[tuple]]:
         longest = max(len(p) + outputs[rid] for rid, p in prompts.items())
         cfg = dict(block_size=bs, num_blocks=math.ceil(longest / bs) + rng.randint(2, 8), max_num_seqs=rng.randint(3, 6),
                    max_num_batched_tokens=64, scheduling_policy=rng.choice(POLICIES), aging_steps=rng.randint(2, 6))  # fmt: skip
-        events: list[tuple] = []
-        driver = Driver(cfg)
-        for rid in prompts:
-            events.append(
-                ("add", rid, len(prompts[rid]), outputs[rid], rng.randint(0, 2), float(len(events)))
-            )
-            events += [("step",)] * rng.choice([0, 0, 1, 2])
-        for event in events:
-            driver.play(event)
-        while driver.live:
-            driver.play(("step",))
+        events, driver = engine_events(rng, cfg, prompts, outputs)
         if driver.scheduler.num_preemptions > 0:
-            events += [("step",)] * (2 * driver.steps - sum(e[0] == "step" for e in events) + 20)
             return cfg, prompts, events
     raise AssertionError("the grader could not make a workload that preempts (a grader problem, not yours)")
 
@@ -576,34 +566,13 @@ def test_your_schedulers_decisions_give_the_reference_outputs_in_the_engine(lab,
     for _ in range(2):
         cfg, prompts, events = _engine_workload(rng, tokenizer)
         label = f"with your scheduler's decisions ({describe(cfg)}, {len(prompts)} requests, preempting)"
-        records, scheduler, allocator = learner_replay(lab, cfg, events)
-        for i, record in enumerate(records):
-            if events[i][0] == "step" and record[0] != "step":
-                raise AssertionError(f"{label}, {where(events, i)}: schedule raised {record[1]}")
-            if events[i][0] == "add" and record[0] != "ok":
-                raise AssertionError(f"{label}: add refused request {events[i][1]!r}, which can run")
+        records, steps, scheduler, allocator = recorded_steps(lab, cfg, events, label)
         check_driven(scheduler, allocator, events, records, cfg, label)
-        steps = [r for e, r in zip(events, records) if e[0] == "step"]
         settings = {k: cfg[k] for k in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
                                          "scheduling_policy", "aging_steps")}  # fmt: skip
         settings.update(enable_chunked_prefill=False, enable_prefix_caching=False)
         want = drive(nanolab.LLM(model, tokenizer, **settings), events, prompts)
-        learners = nanolab.LLM(
-            model, tokenizer, scheduler=functools.partial(RecordedScheduler, steps), **settings
+        ties = compare_in_engine(
+            model, tokenizer, steps, events, prompts, want, settings, label, "nanolab", ties
         )
-        try:
-            got = drive(learners, events, prompts)
-        except AssertionError as e:
-            raise AssertionError(f"{label}: {e}") from None
-        for rid, prompt in prompts.items():
-            tie = tie_at(model, prompt, want[rid], got[rid])
-            if tie is None:
-                continue
-            assert tie, (
-                f"{label}, the engine continued request {rid!r} ({len(prompt)}-token prompt) differently from "
-                "nanolab: its tokens were computed from the wrong keys and values (a block in the tables of two "
-                f"running requests, or a running request's blocks changed) ({ties} near-tie(s) of the top two "
-                "logits accepted so far)"
-            )
-            ties += 1
     print(f"near-ties of the top two logits accepted: {ties}")

@@ -21,21 +21,21 @@ import torch
 import nanolab
 from autograder.scheduling import (
     POLICIES,
-    Driver,
-    RecordedScheduler,
     check_generated_workloads,
     check_speed,
     check_state,
     comparable,
+    compare_in_engine,
     compare_with_reference,
     describe,
     drive,
+    engine_events,
     learner_replay,
     learner_scheduler,
     random_config,
     random_workload,
+    recorded_steps,
     reference_replay,
-    tie_at,
     where,
     workload_with_a_readmission,
 )
@@ -393,20 +393,8 @@ def _engine_workload(rng, tokenizer) -> tuple[dict, dict, list[tuple]]:
         cfg = dict(block_size=bs, num_blocks=math.ceil(longest / bs) + rng.randint(2, 8), max_num_seqs=rng.randint(3, 6),
                    max_num_batched_tokens=budget, scheduling_policy=rng.choice(POLICIES), aging_steps=rng.randint(2, 6),
                    chunked=True)  # fmt: skip
-        events: list[tuple] = []
-        driver = Driver(cfg)
-        for rid in prompts:
-            events.append(
-                ("add", rid, len(prompts[rid]), outputs[rid], rng.randint(0, 2), float(len(events)))
-            )
-            events += [("step",)] * rng.choice([0, 0, 1, 2])
-        for event in events:
-            driver.play(event)
-        while driver.live:
-            driver.play(("step",))
-        chunked = sum(len(p) > budget for p in prompts.values())
-        if driver.scheduler.num_preemptions > 0 and chunked >= 2:
-            events += [("step",)] * (2 * driver.steps - sum(e[0] == "step" for e in events) + 20)
+        events, driver = engine_events(rng, cfg, prompts, outputs)
+        if driver.scheduler.num_preemptions > 0 and sum(len(p) > budget for p in prompts.values()) >= 2:
             return cfg, prompts, events
     raise AssertionError(
         "the grader could not make a workload that chunks and preempts (a grader problem, not yours)"
@@ -421,15 +409,7 @@ def test_your_chunked_decisions_give_the_unchunked_outputs_in_the_engine(lab, rn
     for _ in range(2):
         cfg, prompts, events = _engine_workload(rng, tokenizer)
         label = f"with your scheduler's decisions ({describe(cfg)}, {len(prompts)} requests, chunking and preempting)"
-        records, scheduler, allocator = learner_replay(lab, cfg, events)
-        for i, record in enumerate(records):
-            if events[i][0] == "step" and record[0] != "step":
-                raise AssertionError(f"{label}, {where(events, i)}: schedule raised {record[1]}")
-            if events[i][0] == "add" and record[0] != "ok":
-                raise AssertionError(
-                    f"{label}: add refused request {events[i][1]!r}, which can run (it raised {record[1]})"
-                )
-        steps = [r for e, r in zip(events, records) if e[0] == "step"]
+        _, steps, scheduler, allocator = recorded_steps(lab, cfg, events, label)
         settings = dict(block_size=cfg["block_size"], num_blocks=cfg["num_blocks"], max_num_seqs=cfg["max_num_seqs"],
                         scheduling_policy=cfg["scheduling_policy"], aging_steps=cfg["aging_steps"],
                         enable_prefix_caching=False)  # fmt: skip
@@ -437,22 +417,10 @@ def test_your_chunked_decisions_give_the_unchunked_outputs_in_the_engine(lab, rn
             model, tokenizer, enable_chunked_prefill=False, max_num_batched_tokens=512, **settings
         )
         want = drive(unchunked, events, prompts)
-        learners = nanolab.LLM(model, tokenizer, scheduler=functools.partial(RecordedScheduler, steps),
-                               max_num_batched_tokens=cfg["max_num_batched_tokens"], **settings)  # fmt: skip
-        try:
-            got = drive(learners, events, prompts)
-        except AssertionError as e:
-            raise AssertionError(f"{label}: {e}") from None
-        for rid, prompt in prompts.items():
-            tie = tie_at(model, prompt, want[rid], got[rid])
-            if tie is None:
-                continue
-            assert tie, (
-                f"{label}, the engine continued request {rid!r} ({len(prompt)}-token prompt) differently from unchunked "
-                "prefill: its tokens were computed from the wrong keys and values (a chunk that does not start where the "
-                f"last one ended, or a block in two tables) ({ties} near-tie(s) of the top two logits accepted so far)"
-            )
-            ties += 1
+        settings["max_num_batched_tokens"] = cfg["max_num_batched_tokens"]
+        ties = compare_in_engine(
+            model, tokenizer, steps, events, prompts, want, settings, label, "unchunked prefill", ties
+        )
         # Every request finished in the engine on these records: the learner's own Scheduler object must say so.
         mine = f"{label}: after the workload, your Scheduler's own"
         assert scheduler.step_count == len(steps), f"{mine} step_count is not the number of schedule() calls"
