@@ -2,6 +2,6 @@
 
 import sys
 
-from autograder.cli import main
+from autograder.grading.cli import main
 
 sys.exit(main())

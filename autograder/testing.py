@@ -1,64 +1,18 @@
-"""What a hidden test module may use: the ``lab`` and ``rng`` fixtures, `expect`, and two markers.
+"""The public surface of the hidden tests: everything here is `autograder.authoring.testing`'s (see its
+docstring for the contract). Hidden test modules import from this name."""
 
-A hidden test is an ordinary pytest function in ``autograder/tests/test_labNN*.py`` (or in an
-instructor's extra folder, ``nanolab grade --tests DIR``)::
+from autograder.authoring.testing import (
+    VISIBILITIES,
+    Learner,
+    Remote,
+    RemoteError,
+    bundled_model,
+    expect,
+    expect_value_error,
+    spread_out,
+    stdlib_text,
+)
 
-    import pytest
-
-    from autograder.testing import expect
-    from nanolab.text import bpe
-
-
-    @pytest.mark.points(2)
-    def test_merge_agrees_with_the_reference(lab, rng):
-        \"\"\"merge replaces every occurrence of a pair, left to right\"\"\"
-        ids = [rng.randrange(4) for _ in range(50)]
-        got = expect(lab.merge(ids, (1, 2), 256), list, f"merge({ids}, (1, 2), 256)")
-        assert got == bpe.merge(ids, (1, 2), 256), f"merge({ids}, (1, 2), 256) missed or misplaced a pair"
-
-The contract:
-
-- ``lab`` (a `Learner`): the submission's notebook, reached through a sandboxed process.
-  ``lab.merge(...)`` runs the learner's ``merge`` there and returns plain data; an object that is not
-  data (a ``Tokenizer``) comes back as a `Remote` handle whose attributes and methods are proxied.
-  Whatever the learner's code raises arrives as `RemoteError`. A graded name the notebook does not
-  define, that is not the learner's own code, or whose cell failed, fails the test with a message for
-  the learner, and so does a process that stops answering.
-- ``lab.hold(value)`` copies plain data into the sandbox and keeps it there; the handle it returns
-  reaches the learner's code as that object, and ``lab.peek(handle)`` reads it back afterwards, so a
-  test can check that a call leaves its input unchanged (arguments are otherwise copied both ways).
-- ``lab.time_limit(s)`` gives the calls in a block another wall-clock limit; ``lab.cpu_seconds()`` is
-  the CPU time the learner's processes have used, read by the grader itself, which is what a speed
-  budget should measure (against the reference's ``time.thread_time()``): neither depends on how
-  busy the machine is, nor on anything the learner's code does to the grader.
-- ``rng``: a `random.Random` seeded from the grading run's seed and the test, so inputs differ
-  from run to run (reading the tests does not reveal them) but a run repeats with ``--seed``.
-- ``@pytest.mark.points(n)``: what the test is worth (default 1). All or nothing.
-- ``@pytest.mark.visibility(v)``: Gradescope's visibility of the result, one of `VISIBILITIES`
-  (default "visible").
-- The first line of the docstring is the test's name in every report.
-- A failure's feedback is the assertion's own message (compared values are never shown), so write
-  messages that say what is wrong and on which input, never the expected answer.
-
-Tests may import nanolab's reference freely: they run in the grader, never in the sandbox.
-"""
-
-from __future__ import annotations
-
-import functools
-import os
-import random
-import sysconfig
-from collections.abc import Callable
-from contextlib import AbstractContextManager
-from typing import Any
-
-import pytest
-
-from autograder.remote import Remote, RemoteError
-from autograder.session import SESSION_KEY, Session
-
-# The fixtures are not imported: a test asks for them by name.
 __all__ = [
     "VISIBILITIES",
     "Learner",
@@ -70,132 +24,3 @@ __all__ = [
     "spread_out",
     "stdlib_text",
 ]
-
-VISIBILITIES = ("visible", "hidden", "after_due_date", "after_published")
-
-
-class Learner:
-    """The submission's notebook namespace as a hidden test sees it: ``lab.<name>``."""
-
-    def __init__(self, session: Session):
-        object.__setattr__(self, "_session", session)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return self._session.global_(name)
-
-    def hold(self, value: Any) -> Remote:
-        """``value`` (plain data) copied into the learner's process and kept there (see the module docstring)."""
-        return self._session.ready().hold(value)
-
-    def peek(self, held: Remote) -> Any:
-        """What the object behind ``held`` is now, as plain data."""
-        return self._session.ready().value(held)
-
-    def time_limit(self, seconds: float) -> AbstractContextManager[None]:
-        """``with lab.time_limit(s):`` gives each call inside the block ``s`` seconds of wall clock
-        instead of ``--timeout`` (for a speed budget, or a call known to be slow); restarts included."""
-        return self._session.time_limit(seconds)
-
-    def cpu_seconds(self) -> float:
-        """CPU seconds the learner's processes have used so far (all of them, all threads), read by the
-        grader from /proc. Take the difference around calls to measure them; a call that restarts the
-        sandbox fails, so the two readings always come from one process tree."""
-        return self._session.cpu_seconds()
-
-
-def expect(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
-    """``value`` if it is plain data of type ``kind``; else fail, naming ``what`` and the type it is.
-
-    Use it before comparing what the learner's code returned, so a wrong type gets a clear message
-    (and a `Remote` handle is never compared as if it were data).
-
-    Example:
-        >>> expect([1, 2], list, "merge(...)")
-        [1, 2]
-        >>> expect((1, 2), list, "merge(...)")
-        Traceback (most recent call last):
-        ...
-        AssertionError: merge(...) should be a list, but it is a tuple
-    """
-    if isinstance(value, kind):
-        return value
-    names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-    got = value.type_name + " object" if isinstance(value, Remote) else type(value).__name__
-    raise AssertionError(f"{what} should be a {names}, but it is a {got}")
-
-
-def expect_value_error(call: Callable[[], object], what: str) -> None:
-    """Fail with ``what``, and what happened instead, unless ``call()`` raises ValueError in the learner's code."""
-    try:
-        call()
-    except RemoteError as e:  # an exception of the learner's code
-        if "ValueError" in str(e):
-            return
-        text = str(e)
-        happened = f"it raised {text if len(text) <= 100 else text[:95] + '...'}"
-    else:
-        happened = "it raised nothing"
-    raise AssertionError(f"{what} ({happened})")
-
-
-# -- inputs that several labs' tests share (models run in the grader, never in the sandbox)
-
-
-@functools.cache
-def stdlib_text(*names: str) -> str:
-    """The text of these modules of Python's standard library (``"textwrap.py"``, ...), joined: real text
-    to tokenize, the same on every machine with this Python."""
-    root = sysconfig.get_paths()["stdlib"]
-    return "".join(open(os.path.join(root, name), encoding="utf-8").read() for name in names)
-
-
-@functools.cache
-def bundled_model() -> tuple[Any, Any]:
-    """nanolab's bundled model and its tokenizer, loaded once per grading process."""
-    import nanolab
-
-    return nanolab.load_model(), nanolab.load_tokenizer()
-
-
-def spread_out(model: Any, seed: int) -> Any:
-    """Redraw a random model's weights larger than the training init, so that its logits are spread out
-    (near-ties between the top two tokens, which make greedy outputs fragile, become rare)."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name and name.endswith("weight") else 0.15 * noise)
-    return model.eval()
-
-
-# -- the fixtures (registered by the grader's pytest plugin; a test asks for them by name)
-
-
-@pytest.fixture
-def torch_on_one_thread():
-    """torch on one thread in the grader while a test runs: its tensors are small, and idle worker
-    threads would spin on the cores the learner's process needs. A module asks for it with
-    ``pytestmark = pytest.mark.usefixtures("torch_on_one_thread")``."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def lab(request: pytest.FixtureRequest) -> Learner:
-    """The submission under test (see `Learner` and the module docstring)."""
-    return Learner(request.config.stash[SESSION_KEY])
-
-
-@pytest.fixture
-def rng(request: pytest.FixtureRequest) -> random.Random:
-    """Random inputs for this test: the same for the same ``--seed`` and test, new for a new seed."""
-    seed = request.config.stash[SESSION_KEY].seed
-    return random.Random(f"{seed}:{request.node.nodeid}")

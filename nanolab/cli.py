@@ -49,7 +49,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     print(f"nanolab {__version__}")
     print(f"kernels: {_ext.backend()}" + ("" if _ext.HAS_C else f" ({_ext.why_pure})"))
     try:
-        from autograder.isolation import status
+        from autograder.sandbox.isolation import status
     except ImportError:  # nanolab installed without its grader
         return 0
     print(f"grading {status().describe()}")  # whether `nanolab grade` runs submissions in bubblewrap
@@ -108,7 +108,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_grade(args: argparse.Namespace) -> int:
-    from autograder.cli import run
+    from autograder.grading.cli import run
 
     return run(args)
 
@@ -134,7 +134,7 @@ def build_parser(engine_args: bool = True) -> argparse.ArgumentParser:
         "info", help="show the version, which kernels (C++ or Python) and which grading sandbox are in use"
     )
     info.set_defaults(func=_cmd_info)
-    from autograder.cli import add_arguments as add_grade_arguments
+    from autograder.grading.cli import add_arguments as add_grade_arguments
 
     grade = sub.add_parser("grade", help="grade lab notebooks with the hidden tests (nanolab grade -h)")
     add_grade_arguments(grade)

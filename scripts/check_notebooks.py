@@ -67,7 +67,7 @@ def output_problems(path: Path) -> list[str]:
 
 def metadata_problems(path: Path) -> list[str]:
     """nbgrader and nanolab metadata problems in a solution notebook."""
-    from autograder.labs import LABS as SPECS
+    from autograder.submission.labs import LABS as SPECS
 
     nb = json.loads(path.read_text(encoding="utf-8"))
     name = _rel(path)

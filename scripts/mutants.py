@@ -151,8 +151,8 @@ _TESTS: dict[str, tuple] = {}  # the hidden tests, read once per worker process
 
 def run_hidden(task: Task) -> dict[str, Any]:
     """Grade the notebook with the hidden tests and ``task.seed``, as ``nanolab grade --seed`` does."""
-    from autograder.grade import DEFAULT_TESTS_DIR, GradeOptions, grade_notebook
-    from autograder.sandbox import Limits
+    from autograder.grading.grade import DEFAULT_TESTS_DIR, GradeOptions, grade_notebook
+    from autograder.sandbox.limits import Limits
 
     tests_dir = Path(task.tests_dir) if task.tests_dir else DEFAULT_TESTS_DIR
     limits = Limits(call_timeout_s=task.call_timeout, load_timeout_s=max(60.0, 2 * task.call_timeout))

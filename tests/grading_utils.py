@@ -7,9 +7,9 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from autograder.grade import DEFAULT_TESTS_DIR, GradeOptions, grade
-from autograder.results import SubmissionResult
-from autograder.sandbox import Limits
+from autograder.grading.grade import DEFAULT_TESTS_DIR, GradeOptions, grade
+from autograder.grading.results import SubmissionResult
+from autograder.sandbox.limits import Limits
 
 STUB = "raise NotImplementedError()"
 
@@ -153,7 +153,7 @@ def solution_namespace(name: str) -> dict:
     import sys
     import types
 
-    from autograder.notebook import read_submission
+    from autograder.submission.notebook import read_submission
 
     module = types.ModuleType(f"solution_{Path(name).stem}")
     sys.modules[module.__name__] = module

@@ -31,12 +31,13 @@ from grading_utils import sub as _sub
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autograder import codec
-from autograder.grade import DEFAULT_TESTS_DIR, GradeOptions, grade
-from autograder.notebook import SubmissionError, read_submission
-from autograder.remote import Remote, RemoteError, SandboxFailure
-from autograder.results import SubmissionResult, write_csv, write_gradescope, write_json
-from autograder.sandbox import Limits, Sandbox
+from autograder.grading.grade import DEFAULT_TESTS_DIR, GradeOptions, grade
+from autograder.grading.results import SubmissionResult, write_csv, write_gradescope, write_json
+from autograder.sandbox.limits import Limits
+from autograder.sandbox.process import Sandbox
+from autograder.sandbox.remote import Remote, RemoteError, SandboxFailure
+from autograder.sandbox.runtime import codec
+from autograder.submission.notebook import SubmissionError, read_submission
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "lab01_tokenizer.ipynb"

@@ -23,7 +23,7 @@ from grading_utils import (
 )
 from grading_utils import sub as _sub
 
-from autograder.sandbox import Limits
+from autograder.sandbox.limits import Limits
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "lab03_paged_kv.ipynb"

@@ -12,15 +12,15 @@ from types import MappingProxyType
 
 import pytest
 
-import autograder.testing
-from autograder.cli import add_arguments, grade_options
-from autograder.grade import DEFAULT_TESTS_DIR, GradeOptions, grade
-from autograder.labs import LABS, LabSpec
-from autograder.notebook import Submission
-from autograder.remote import SandboxFailure
-from autograder.sandbox import DEFAULT_MEMORY_MB, Limits
-from autograder.session import Session
-from autograder.testing import Learner
+import autograder.authoring.testing
+from autograder.authoring.testing import Learner
+from autograder.grading.cli import add_arguments, grade_options
+from autograder.grading.grade import DEFAULT_TESTS_DIR, GradeOptions, grade
+from autograder.grading.session import Session
+from autograder.sandbox.limits import DEFAULT_MEMORY_MB, Limits
+from autograder.sandbox.remote import SandboxFailure
+from autograder.submission.labs import LABS, LabSpec
+from autograder.submission.notebook import Submission
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "lab01_tokenizer.ipynb"
@@ -30,7 +30,7 @@ LIMITS = Limits(call_timeout_s=10, load_timeout_s=20, cpu_s=120, notebook_s=120)
 EXTRA_TESTS = '''
 import pytest
 
-from autograder.testing import expect
+from autograder.authoring.testing import expect
 
 
 @pytest.mark.points(2)
@@ -138,13 +138,13 @@ def test_a_time_limit_holds_across_a_restart_and_ends_with_its_block():
 
 
 def test_the_test_author_api_examples_run():
-    result = doctest.testmod(autograder.testing)
+    result = doctest.testmod(autograder.authoring.testing)
     assert result.attempted > 0 and result.failed == 0
 
 
 def test_results_keep_extra_ids_through_json(tmp_path):
     """The JSON export names each test by its id, prefix included (the key a gradebook joins on)."""
-    from autograder.results import SubmissionResult, TestResult, write_json
+    from autograder.grading.results import SubmissionResult, TestResult, write_json
 
     result = SubmissionResult("a.ipynb", 1, tests=[TestResult("extra/test_x", "x", 2.0, status="passed")])
     write_json([result], tmp_path / "r.json")

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 from grading_utils import cell, sub
 
-from autograder import isolation
+from autograder.sandbox import isolation
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "lab01_tokenizer.ipynb"

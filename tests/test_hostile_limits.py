@@ -15,8 +15,8 @@ from pathlib import Path
 
 from grading_utils import STUB, sub
 
-from autograder.grade import DEFAULT_TESTS_DIR, GradeOptions, grade
-from autograder.sandbox import Limits
+from autograder.grading.grade import DEFAULT_TESTS_DIR, GradeOptions, grade
+from autograder.sandbox.limits import Limits
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "lab01_tokenizer.ipynb"
@@ -76,7 +76,7 @@ def test_the_notebook_budget_clamps_every_call(tmp_path):
 HANGING_TESTS = '''
 import time
 
-from autograder.testing import expect
+from autograder.authoring.testing import expect
 
 
 def test_a_passes(lab):
@@ -196,8 +196,8 @@ def test_a_sandbox_launched_early_is_still_there_for_the_first_test():
     (no restart, no lost time), whatever happens meanwhile in the grader's other threads."""
     import threading
 
-    from autograder.notebook import read_submission
-    from autograder.session import Session
+    from autograder.grading.session import Session
+    from autograder.submission.notebook import read_submission
 
     submission = read_submission(SOLUTION)
     session = Session(submission, submission.spec, Limits(call_timeout_s=10, load_timeout_s=30), seed=0)
@@ -215,7 +215,7 @@ def test_a_sandbox_launched_early_is_still_there_for_the_first_test():
 
 def _answer_at_once(conn) -> None:
     """A batch task that sends its result and ends at once (the race a batch must not lose)."""
-    from autograder.results import SubmissionResult
+    from autograder.grading.results import SubmissionResult
 
     workdir, path, lab = conn.recv()
     conn.send(("done", SubmissionResult(path, lab).to_dict()))
@@ -223,7 +223,7 @@ def _answer_at_once(conn) -> None:
 
 def test_every_worker_that_answers_and_ends_at_once_keeps_its_result():
     """A worker that ends right after sending its result is not taken for one that died."""
-    from autograder import batch
+    from autograder.grading import batch
 
     paths = [f"n{i}.ipynb" for i in range(40)]
     results = batch.run(paths, _answer_at_once, (7,), jobs=4, watchdog_s=60)

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from autograder.labs import LABS
 from autograder.mutants import (
     HIDDEN_TARGET,
     MIN_MUTANTS,
@@ -28,6 +27,7 @@ from autograder.mutants import (
     cell_source,
     load_mutant_set,
 )
+from autograder.submission.labs import LABS
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))

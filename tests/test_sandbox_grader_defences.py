@@ -19,11 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from autograder import codec, feedback, origin
-from autograder.cleanup import remove_tree
-from autograder.remote import SandboxFailure
-from autograder.results import SubmissionResult, TestResult, write_json
-from autograder.sandbox import Limits, Sandbox
+from autograder.grading import feedback
+from autograder.grading.results import SubmissionResult, TestResult, write_json
+from autograder.sandbox.cleanup import remove_tree
+from autograder.sandbox.limits import Limits
+from autograder.sandbox.process import Sandbox
+from autograder.sandbox.remote import SandboxFailure
+from autograder.sandbox.runtime import codec
+from autograder.submission import origin
 
 ROOT = Path(__file__).resolve().parents[1]
 P61 = 2**61 - 1  # ints that are multiples of it all have the hash 0
@@ -219,7 +222,7 @@ def test_removal_clears_the_immutable_flag_as_root(tmp_path):
 WRITE_UNDER_A_LIMIT = """
 import resource, sys
 from pathlib import Path
-from autograder.results import SubmissionResult, write_json
+from autograder.grading.results import SubmissionResult, write_json
 resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
 try:
     write_json([SubmissionResult("new.ipynb", 1)] * 20, Path(sys.argv[1]))
@@ -274,7 +277,7 @@ def test_the_cli_raises_a_lowered_soft_limit_and_says_when_it_cannot_write(tmp_p
 
 def test_nanolab_info_says_which_sandbox_grading_uses(capsys, monkeypatch):
     """``nanolab info`` names the sandbox; where there is none it says so, and how to get one."""
-    from autograder import isolation
+    from autograder.sandbox import isolation
     from nanolab.cli import main
 
     assert main(["info"]) == 0

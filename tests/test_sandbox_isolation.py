@@ -1,5 +1,5 @@
 """The sandbox as a submission sees it: what a sandboxed process can see, reach and leave behind under
-bubblewrap, and what the grader measures of it (`autograder.isolation`, `autograder.proctree`).
+bubblewrap, and what the grader measures of it (`autograder.sandbox.isolation`, `autograder.sandbox.proctree`).
 
 Each test runs a small probe in a real sandbox and asks it what it found; the verdicts are the
 grader's own observations where they can be (the host's /proc), the probe's answers otherwise. They
@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from autograder import isolation, proctree
-from autograder.sandbox import Limits, Sandbox
+from autograder.sandbox import isolation, proctree
+from autograder.sandbox.limits import Limits
+from autograder.sandbox.process import Sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
 SANDBOX_ENV = {"PATH", "PWD", "HOME", "TMPDIR", "LANG", "MPLBACKEND", "MPLCONFIGDIR", "MALLOC_ARENA_MAX"}

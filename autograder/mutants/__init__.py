@@ -28,7 +28,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10: tomli (a dependency of pytest there) is the same parser
     import tomli as tomllib
 
-from autograder.labs import LabSpec, lab_spec
+from autograder.submission.labs import LabSpec, lab_spec
 
 HIDDEN_TARGET = 0.90  # share of mutants the hidden tests must catch, on every grading seed
 VISIBLE_TARGET = 0.60  # share of mutants the visible check cells must catch

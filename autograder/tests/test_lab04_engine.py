@@ -26,24 +26,26 @@ import sysconfig
 import pytest
 
 import nanolab
-from autograder.scheduling import (
-    POLICIES,
-    Driver,
+from autograder.authoring.scheduling.compare import (
     check_generated_workloads,
     check_speed,
-    compare_in_engine,
     compare_with_reference,
+    request_state,
+)
+from autograder.authoring.scheduling.engine import compare_in_engine, drive, recorded_steps
+from autograder.authoring.scheduling.replay import (
+    POLICIES,
+    Driver,
     describe,
-    drive,
-    engine_events,
     learner_replay,
     learner_scheduler,
+    reference_scheduler,
+    status_of,
+)
+from autograder.authoring.scheduling.workloads import (
+    engine_events,
     random_config,
     random_workload,
-    recorded_steps,
-    reference_scheduler,
-    request_state,
-    status_of,
     where,
     workload_with_a_readmission,
 )

@@ -3,7 +3,7 @@ prefill, `plan_prefill` against nanolab's, and the learner's `Scheduler` against
 prefill on and off, event by event on random and generated workloads, through its handle, against its
 refusals, for speed, and inside the engine, whose greedy output must equal unchunked prefill's.
 
-The schedulers are compared as in Lab 4 (`autograder.scheduling`): the notebook's ``replay_schedule``
+The schedulers are compared as in Lab 4 (`autograder.authoring.scheduling`): the notebook's ``replay_schedule``
 plays a workload in the sandbox, and after every replay the learner's Scheduler object itself is read
 back and compared with nanolab's. The models run here: the learner's masks come over as tensors, and the
 engine plays back the learner's recorded decisions. Feedback says what is wrong and on which input, never
@@ -19,23 +19,25 @@ import pytest
 import torch
 
 import nanolab
-from autograder.scheduling import (
-    POLICIES,
+from autograder.authoring.scheduling.compare import (
     check_generated_workloads,
     check_speed,
     check_state,
-    comparable,
-    compare_in_engine,
     compare_with_reference,
+)
+from autograder.authoring.scheduling.engine import compare_in_engine, drive, recorded_steps
+from autograder.authoring.scheduling.replay import (
+    POLICIES,
+    comparable,
     describe,
-    drive,
-    engine_events,
     learner_replay,
     learner_scheduler,
+    reference_replay,
+)
+from autograder.authoring.scheduling.workloads import (
+    engine_events,
     random_config,
     random_workload,
-    recorded_steps,
-    reference_replay,
     where,
     workload_with_a_readmission,
 )

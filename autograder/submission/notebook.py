@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from autograder.labs import LabSpec, lab_spec
+from autograder.submission.labs import LabSpec, lab_spec
 
 MAX_NOTEBOOK_BYTES = 20 * 1024 * 1024
 

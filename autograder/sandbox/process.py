@@ -1,18 +1,18 @@
 """The grader's side of the sandbox: start the submission's process, call into it, kill it.
 
-`Sandbox` starts the worker (`autograder._worker`) with stdin closed, its output going to a log file
+`Sandbox` starts the worker (`autograder.sandbox.runtime.worker`) with stdin closed, its output going to a log file
 of the grader's, and talks to it over two pipes. Where bubblewrap can run, the process gets its own
-uid, namespaces and file system (`autograder.isolation`); elsewhere it is a plain process in an empty
-temporary directory, and `Sandbox.isolated` is False. Every reply is decoded by `autograder.codec` into
+uid, namespaces and file system (`autograder.sandbox.isolation`); elsewhere it is a plain process in an empty
+temporary directory, and `Sandbox.isolated` is False. Every reply is decoded by `autograder.sandbox.runtime.codec` into
 plain data or `Remote` handles, so what comes back cannot run code or fake a comparison here. A call
 that does not answer within its time limit, or whose process dies, raises `SandboxFailure`; every
-process of the sandbox is then killed (`autograder.proctree`) and the `Sandbox` is dead (the grading
-session, `autograder.session`, decides whether to start a fresh one).
+process of the sandbox is then killed (`autograder.sandbox.proctree`) and the `Sandbox` is dead (the grading
+session, `autograder.grading.session`, decides whether to start a fresh one).
 
 Limits: address space (``memory_mb`` on top of what the interpreter and the preloaded modules map),
 CPU seconds, written file size, the size of its tmpfs, wall clock per call; writes outside its
 directory are refused (bubblewrap's read-only file system, and Landlock where the kernel has it).
-What crosses back is described in `autograder.remote`.
+What crosses back is described in `autograder.sandbox.remote`.
 """
 
 from __future__ import annotations
@@ -30,12 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autograder import codec, isolation, proctree
-from autograder.cleanup import remove_tree
-from autograder.limits import DEFAULT_MEMORY_MB, Limits
-from autograder.remote import Remote, RemoteError, SandboxFailure
+from autograder.sandbox import isolation, proctree
+from autograder.sandbox.cleanup import remove_tree
+from autograder.sandbox.limits import DEFAULT_MEMORY_MB, Limits
+from autograder.sandbox.remote import Remote, RemoteError, SandboxFailure
+from autograder.sandbox.runtime import codec
 
-__all__ = ["DEFAULT_MEMORY_MB", "Limits", "Sandbox"]
+__all__ = ["Sandbox"]
 
 
 @dataclass
@@ -52,7 +53,7 @@ class Sandbox:
     # changes inside a test's `time_limit` block and outlives restarts); None: limits.call_timeout_s.
     current_call_timeout: Callable[[], float] | None = None
     generation: int = 0
-    isolated: bool = False  # it runs under bubblewrap (`autograder.isolation`)
+    isolated: bool = False  # it runs under bubblewrap (`autograder.sandbox.isolation`)
     confined: bool = False  # writes outside the working directory are refused (bubblewrap or Landlock)
     signals_confined: bool = False  # signals to processes outside the sandbox are refused (Landlock ABI 6)
     load_report: dict | None = None
@@ -111,7 +112,7 @@ class Sandbox:
             cwd = self._dir / "work"
             cwd.mkdir()
             argv, env = (
-                [sys.executable, "-I", "-m", "autograder._worker", *fds],
+                [sys.executable, "-I", "-m", "autograder.sandbox.runtime.worker", *fds],
                 isolation.environment(str(cwd)),
             )
         log = open(self._dir / "output.log", "wb")  # noqa: SIM115 - the child writes to it

@@ -1,11 +1,11 @@
 """What comes back from a submission's process: plain data, `Remote` handles, or a failure.
 
 A hidden test sees three outcomes of a call into the learner's code: plain data (decoded by
-`autograder.codec`), a `Remote` handle for an object that stays in the sandbox, or an exception:
+`autograder.sandbox.runtime.codec`), a `Remote` handle for an object that stays in the sandbox, or an exception:
 `RemoteError` when the learner's code raised, `SandboxFailure` when its process did not answer.
 
 A `Remote` talks to the process its object lives in through the small `Host` interface, which
-`autograder.sandbox.Sandbox` provides; this module imports nothing of the grader's.
+`autograder.sandbox.process.Sandbox` provides; this module imports nothing of the grader's.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class RemoteError(Exception):
 
 
 class Host(Protocol):
-    """The process a `Remote`'s object lives in (`autograder.sandbox.Sandbox`).
+    """The process a `Remote`'s object lives in (`autograder.sandbox.process.Sandbox`).
 
     ``generation`` counts the process's restarts: a handle made by an earlier generation names an
     object that no longer exists, and `get` and `call` refuse it with `SandboxFailure`.

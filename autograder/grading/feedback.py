@@ -68,7 +68,7 @@ class Redactor:
 def grader_sources() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(secret, public): the solution notebooks' code and nanolab's source; the blank labs' code.
     Read once per process, from the checkout this package lives in (what is not there is skipped)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     secret = [_code(nb) for nb in sorted((root / "solutions").glob("*.ipynb"))]
     spec = importlib.util.find_spec("nanolab")
     for folder in (spec.submodule_search_locations or []) if spec else []:

@@ -1,21 +1,21 @@
 """The sandbox side: runs a submission's code and answers the grader's calls over a pipe.
 
 This module is the main program of the sandboxed process: under bubblewrap it is loaded by path
-with `autograder.codec` and `autograder.confine`, the only files of the grader in the sandbox
-(`autograder.isolation`); elsewhere it runs as ``python -I -m autograder._worker``.
+with `autograder.sandbox.runtime.codec` and `autograder.sandbox.runtime.confine`, the only files of the grader in the sandbox
+(`autograder.sandbox.isolation`); elsewhere it runs as ``python -I -m autograder.sandbox.runtime.worker``.
 Everything in this process is untrusted once the submission's first cell runs: the submission may
 patch this module, write to the pipe itself or exit. That is fine, because the grader decides every
-verdict in its own process from plain data it decodes itself (`autograder.codec`), and decides
-itself whether the graded names are the learner's own code (`autograder.origin`); this process can
+verdict in its own process from plain data it decodes itself (`autograder.sandbox.runtime.codec`), and decides
+itself whether the graded names are the learner's own code (`autograder.submission.origin`); this process can
 only answer wrongly, slowly or not at all, and each of those fails the test that asked. What it
 reports about origins can only take credit away.
 
-Before any submission code runs it confines itself (`autograder.confine`): resource limits,
+Before any submission code runs it confines itself (`autograder.sandbox.runtime.confine`): resource limits,
 Landlock where the kernel offers it, and an import blocker that names why a blocked module is
 missing (under bubblewrap such modules are not in the sandbox's file system at all).
 Each request carries an id that its reply repeats, so a reply written ahead of time is refused.
 
-Requests (one JSON object each, see `autograder.codec` for framing and values)::
+Requests (one JSON object each, see `autograder.sandbox.runtime.codec` for framing and values)::
 
     {"op": "load", "cells": [{"id": ..., "source": ...}], "graded": {...}}   run the cells
     {"op": "get", "target": handle or null, "name": str}                    an attribute / global
@@ -41,8 +41,8 @@ import traceback
 import types
 from typing import Any
 
-from autograder import codec
-from autograder.confine import apply_limits, block_imports, confine, die_with_parent
+from autograder.sandbox.runtime import codec
+from autograder.sandbox.runtime.confine import apply_limits, block_imports, confine, die_with_parent
 
 CELL_PREFIX = "<cell "
 _STDLIB = sysconfig.get_paths()["stdlib"]

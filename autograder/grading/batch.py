@@ -24,8 +24,8 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from autograder.cleanup import remove_tree
-from autograder.results import SubmissionResult, TestResult
+from autograder.grading.results import SubmissionResult, TestResult
+from autograder.sandbox.cleanup import remove_tree
 
 # The worker's entry point: task(conn) receives (workdir, path, *args) through conn, then sends
 # ("lab", number), ("collected", [test, ...]), ("test", test) and finally ("done", result) (tests and

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from autograder.sandbox import DEFAULT_MEMORY_MB
+from autograder.sandbox.limits import DEFAULT_MEMORY_MB
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class LabSpec:
     blocked_modules: MappingProxyType  # module -> why graded code may not import it
     preload: tuple[str, ...] = ()  # imported in the sandbox before limits apply (speed, address space)
     # Third-party packages graded code may import besides the preloads. The sandbox's file system holds
-    # these, the preloads and their dependencies, and no other package (autograder.isolation).
+    # these, the preloads and their dependencies, and no other package (autograder.sandbox.isolation).
     packages: tuple[str, ...] = ()
     # Sandbox address space on top of the interpreter and the preloads. Raise it only for a lab that
     # truly needs more, with the reason in a comment.

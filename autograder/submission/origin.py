@@ -1,14 +1,14 @@
 """Whether a graded name is the learner's own code, decided in the grader from the notebook's text.
 
-The grader runs only the cells it extracted from the notebook (`autograder.notebook`). A graded name
+The grader runs only the cells it extracted from the notebook (`autograder.submission.notebook`). A graded name
 counts as the learner's own when those cells bind it at module level only with ``def name`` or
 ``class name`` statements, at least one of them in a graded cell: never with an import, an
 assignment, a ``for``/``with``/``except`` target, a ``global`` declaration, or a ``del``. Under
-bubblewrap the sandbox holds no reference code and no solution to run instead (`autograder.isolation`),
+bubblewrap the sandbox holds no reference code and no solution to run instead (`autograder.sandbox.isolation`),
 so what such a ``def`` runs was written in the notebook.
 
 What the sandbox itself reports about where an object comes from can only take credit away
-(`autograder.session`): it runs the submission's code and may say anything.
+(`autograder.grading.session`): it runs the submission's code and may say anything.
 
 Example:
     >>> check([{"id": "merge", "source": "def merge(ids, pair, new_id): ..."}], {"merge": "merge"})

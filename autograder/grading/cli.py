@@ -10,7 +10,7 @@ Examples::
 The exit status is 0 when every notebook was graded (whatever its score; a notebook that cannot be
 graded scores zero), 1 when the grader itself or its hidden tests failed, or a results file could not
 be written. Every run says on stderr whether submissions run in a bubblewrap sandbox
-(`autograder.isolation`), and how to get one when they do not.
+(`autograder.sandbox.isolation`), and how to get one when they do not.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import sys
 import threading
 from pathlib import Path
 
-from autograder import isolation
-from autograder.feedback import clean
-from autograder.grade import GradeOptions, grade
-from autograder.limits import DEFAULT_MEMORY_MB, Limits
-from autograder.results import print_table, write_csv, write_gradescope, write_json
-from autograder.suite import EXTRA
+from autograder.grading.feedback import clean
+from autograder.grading.grade import GradeOptions, grade
+from autograder.grading.results import print_table, write_csv, write_gradescope, write_json
+from autograder.sandbox import isolation
+from autograder.sandbox.limits import DEFAULT_MEMORY_MB, Limits
+from autograder.submission.suite import EXTRA
 
 DEFAULT_LIMITS = Limits()
 

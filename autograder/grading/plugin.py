@@ -1,6 +1,6 @@
 """The pytest plugin that runs hidden tests against one submission and records their verdicts.
 
-What a hidden test sees (the ``lab`` and ``rng`` fixtures, the markers) is `autograder.testing`; this
+What a hidden test sees (the ``lab`` and ``rng`` fixtures, the markers) is `autograder.authoring.testing`; this
 module is the machinery behind it. It registers those fixtures and markers, keeps the submission's
 `Session` where the fixtures find it, makes one `TestResult` per collected test and fills it in from
 pytest's reports.
@@ -8,9 +8,9 @@ pytest's reports.
 Verdicts are taken from those reports in this (trusted) process. A failure's feedback is the
 assertion's own message (pytest runs with ``--assert=plain``, so compared values are not shown), or a
 description of what the learner's code raised, or why the sandbox stopped answering; it goes through
-the ``safe`` filter it is given (`autograder.feedback`: no control characters, no grader source).
+the ``safe`` filter it is given (`autograder.grading.feedback`: no control characters, no grader source).
 Each collected test and each finished one is also handed to ``report``, so that a watchdog that
-stops the grading keeps the verdicts already decided (`autograder.batch`).
+stops the grading keeps the verdicts already decided (`autograder.grading.batch`).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 
-from autograder import testing
-from autograder.remote import RemoteError, SandboxFailure
-from autograder.results import TestResult
-from autograder.session import SESSION_KEY, GradingProblem, Session
+from autograder.authoring import testing
+from autograder.grading.results import TestResult
+from autograder.grading.session import SESSION_KEY, GradingProblem, Session
+from autograder.sandbox.remote import RemoteError, SandboxFailure
 
 MAX_OUTPUT_CHARS = 3000
 

@@ -15,7 +15,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from autograder.labs import LabSpec
+from autograder.submission.labs import LabSpec
 
 BUILT_IN = "builtin"
 EXTRA = "extra"

@@ -2,14 +2,14 @@
 
 `grade` is what ``nanolab grade`` calls. Each notebook is graded by a fresh worker process of the
 grader (trusted: it runs pytest and the reference implementation), ``jobs`` at a time, each under a
-watchdog (`autograder.batch`); the worker in turn runs the submission's code in a sandboxed process
-(`autograder.sandbox`). A worker may map at most `Limits.grader_memory_mb` more than it starts with,
+watchdog (`autograder.grading.batch`); the worker in turn runs the submission's code in a sandboxed process
+(`autograder.sandbox.process`). A worker may map at most `Limits.grader_memory_mb` more than it starts with,
 adopts whatever the submission leaves running and kills it at the end. A notebook that cannot be
 graded gets a zero and a message; the batch always goes on, and every notebook gets a result.
 
 The hidden tests (the built-in ones, and an instructor's extra ones in addition) are read once,
 before any submission runs, and every notebook is graded against that in-memory copy
-(`autograder.suite`). Under bubblewrap a sandbox cannot even see them; without it, Landlock keeps it
+(`autograder.submission.suite`). Under bubblewrap a sandbox cannot even see them; without it, Landlock keeps it
 from writing outside its own directory where the kernel has Landlock, and where it has not, the test
 files on disk are compared with that copy after each notebook, restored if they changed, and the
 notebook graded then gets no credit.
@@ -29,14 +29,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from autograder import batch, feedback, isolation, proctree
-from autograder.labs import LABS, LabSpec
-from autograder.limits import Limits
-from autograder.notebook import SubmissionError, notebook_lab, read_notebook, read_submission
-from autograder.results import SubmissionResult
-from autograder.suite import EXTRA, TestFolder
+from autograder.grading import batch, feedback
+from autograder.grading.results import SubmissionResult
+from autograder.sandbox import isolation, proctree
+from autograder.sandbox.limits import Limits
+from autograder.submission.labs import LABS, LabSpec
+from autograder.submission.notebook import SubmissionError, notebook_lab, read_notebook, read_submission
+from autograder.submission.suite import EXTRA, TestFolder
 
-DEFAULT_TESTS_DIR = Path(__file__).resolve().parent / "tests"
+DEFAULT_TESTS_DIR = Path(__file__).resolve().parents[1] / "tests"
 
 PYTEST_ARGS = [
     "-q",
@@ -92,12 +93,12 @@ def grade_notebook(
     report: Callable[..., Any] | None = None,
 ) -> SubmissionResult:
     """Grade one notebook in this process (the sandbox is still a separate process). ``report``, if
-    given, is told the lab, the collected tests and each verdict as they come (`autograder.batch`)."""
+    given, is told the lab, the collected tests and each verdict as they come (`autograder.grading.batch`)."""
     report = report or (lambda *message: None)
     import pytest
 
-    from autograder.plugin import GradingPlugin
-    from autograder.session import Session
+    from autograder.grading.plugin import GradingPlugin
+    from autograder.grading.session import Session
 
     start = time.monotonic()
     seed = options.seed if options.seed is not None else secrets.randbits(32)
@@ -184,8 +185,8 @@ def _forget_modules(directory: str, folders: list[str]) -> None:
 
 
 def _grade_task(conn: Any) -> None:
-    """A batch worker's whole life: grade one notebook, talking through ``conn`` (`autograder.batch`)."""
-    import autograder.plugin  # noqa: F401 - with pytest, loaded while the batch decides the sandbox
+    """A batch worker's whole life: grade one notebook, talking through ``conn`` (`autograder.grading.batch`)."""
+    import autograder.grading.plugin  # noqa: F401 - with pytest, loaded while the batch decides the sandbox
 
     workdir, path, options, tests = conn.recv()
     tempfile.tempdir = os.environ["TMPDIR"] = workdir  # the batch removes it, however this ends
@@ -268,7 +269,7 @@ def grade(
     progress: bool = True,
 ) -> list[SubmissionResult]:
     """Grade ``paths`` (``jobs`` at a time, each in a fresh worker under a watchdog) and return their
-    results in the same order; every notebook gets one, whatever happens (`autograder.batch`)."""
+    results in the same order; every notebook gets one, whatever happens (`autograder.grading.batch`)."""
     from tqdm.auto import tqdm
 
     options = options or GradeOptions()

@@ -6,7 +6,7 @@ https://gradescope-autograders.readthedocs.io/en/latest/specs/: a top-level ``sc
 ``max_score``, ``status`` ("passed"/"failed"), ``output`` and ``visibility``.
 
 Every file is written whole or not at all (a temporary file beside it, then renamed over it), and
-everything printed to a terminal goes through `autograder.feedback.clean` first.
+everything printed to a terminal goes through `autograder.grading.feedback.clean` first.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from autograder.feedback import clean
+from autograder.grading.feedback import clean
 
 
 @dataclass
@@ -60,7 +60,7 @@ class SubmissionResult:
     seed: int | None = None
     internal_error: str | None = None  # a fault of the grader or its tests, not of the submission
     confined: bool | None = None  # whether the sandbox could not write outside its directory
-    isolated: bool | None = None  # whether the sandbox ran under bubblewrap (autograder.isolation)
+    isolated: bool | None = None  # whether the sandbox ran under bubblewrap (autograder.sandbox.isolation)
 
     @property
     def score(self) -> float:

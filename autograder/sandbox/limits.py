@@ -1,8 +1,8 @@
 """The limits a submission's code runs under, and those of the grader's own worker for it.
 
 Every limit here is enforced by the grader or by the kernel, never by the submission's goodwill:
-`autograder.sandbox` and `autograder.confine` apply those of the sandboxed process, `autograder.session`
-the time limits of its calls, `autograder.grade` and `autograder.batch` those of a grading worker.
+`autograder.sandbox.process` and `autograder.sandbox.runtime.confine` apply those of the sandboxed process, `autograder.grading.session`
+the time limits of its calls, `autograder.grading.grade` and `autograder.grading.batch` those of a grading worker.
 """
 
 from __future__ import annotations

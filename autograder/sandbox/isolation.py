@@ -13,7 +13,7 @@ bubblewrap (``bwrap``, the tool Flatpak uses) starts the submission's process:
   and their dependencies (`lab_packages`), all read-only, a private ``/dev`` and ``/proc``, and one
   size-limited tmpfs, ``/sandbox`` (its working directory, home and ``/tmp`` are ``/sandbox/work``).
   Nothing else: not the checkout, the hidden tests, the solutions, other submissions, or any module
-  the lab blocks; of the grader, only the three files the sandbox runs (`RUNTIME`).
+  the lab blocks; of the grader, only the folder the sandbox runs (`autograder.sandbox.runtime`).
 
 As root, bubblewrap itself runs as uid 65534, so the paths it binds are first bind-mounted (in a
 private mount namespace of a small launcher, `_LAUNCHER`) where that uid can reach them: on a stage
@@ -41,30 +41,27 @@ WORK_DIR = (
     "/sandbox/work"  # in it: the working directory, HOME, TMPDIR and /tmp (Landlock's one writable place)
 )
 SITE_DIR = "/opt/nanolab/site-packages"  # the lab's packages
-RUNTIME_DIR = "/opt/nanolab/runtime"  # the sandbox side of the grader
-RUNTIME = ("codec", "confine", "_worker")  # autograder modules the sandboxed process runs
+GRADER_DIR = "/opt/nanolab/grader"  # holds autograder/sandbox/runtime/, the grader's only code in the sandbox
+RUNTIME_PACKAGE = Path(__file__).resolve().parent / "runtime"  # what the sandboxed process runs, bound whole
 SANDBOX_UID = 65534  # the host uid of a sandbox started by a grader running as root
 INSTALL_HINT = (
     "install bubblewrap (Debian, Ubuntu: `sudo apt-get install bubblewrap`; Fedora: `sudo dnf install "
     "bubblewrap`; Arch: `sudo pacman -S bubblewrap`) and make sure user namespaces are enabled"
 )
 
-# Runs the grader's own sandbox modules under their usual names, loaded from RUNTIME_DIR by path
-# (the rest of the package is not there), then the worker's main loop. The interpreter runs without
-# `site` (no site-packages of its own); exit() and quit() are still there for the learner's code.
+# The sandboxed interpreter's main program. Of the grader it sees only `autograder.sandbox.runtime`,
+# bound whole at the same place under GRADER_DIR: the folders above it are empty there, so `autograder`
+# and `autograder.sandbox` are namespace packages with nothing else in them. Once the worker is loaded
+# that folder leaves the path, so the submission cannot import the grader by name. The interpreter runs
+# without `site` (no site-packages of its own); exit() and quit() are still there for the learner's code.
 BOOT = f"""
-import importlib.util, site, sys, types
+import site, sys
 site.setquit()
-package = types.ModuleType("autograder")
-package.__path__ = []
-sys.modules["autograder"] = package
-for name in {RUNTIME!r}:
-    spec = importlib.util.spec_from_file_location("autograder." + name, "{RUNTIME_DIR}/" + name + ".py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+sys.path.insert(0, "{GRADER_DIR}")
+from autograder.sandbox.runtime.worker import main
+sys.path.remove("{GRADER_DIR}")
 sys.path.append("{SITE_DIR}")
-module.main()
+main()
 """
 
 # As root: in a private mount namespace, bind each source into a stage, put the stage over /tmp (which
@@ -258,8 +255,7 @@ def command(
     for name in ("ld.so.cache", "ld.so.conf", "localtime"):
         if os.path.isfile(f"/etc/{name}"):
             binds.append((os.path.realpath(f"/etc/{name}"), f"/etc/{name}"))
-    package_dir = Path(__file__).resolve().parent
-    binds += [(str(package_dir / f"{name}.py"), f"{RUNTIME_DIR}/{name}.py") for name in RUNTIME]
+    binds.append((str(RUNTIME_PACKAGE), f"{GRADER_DIR}/autograder/sandbox/runtime"))
     refused = {_module_key(name) for name in blocked}
     packages = lab_packages(modules) if modules else ()
     site_binds = [(path, f"{SITE_DIR}/{name}") for path, name in packages if _module_key(name) not in refused]

@@ -1,6 +1,6 @@
 """One submission's grading session: its sandbox across all of its tests, its seed, its time limits.
 
-The session is what the ``lab`` fixture of `autograder.testing` reaches the submission through.
+The session is what the ``lab`` fixture of `autograder.authoring.testing` reaches the submission through.
 
 Sandbox policy: one sandboxed process serves all tests of a submission. If a call times out or the
 process dies, that test fails and the next test starts a fresh process (the old one is killed and its
@@ -14,7 +14,7 @@ test set for a block with `time_limit`, and never more than what is left of the 
 it before every call, so the limits hold across a restart inside a block.
 
 Whether a graded name is the learner's own code is decided here, from the notebook's text
-(`autograder.origin`); the sandbox's own report can only take credit away. The first sandbox may be
+(`autograder.submission.origin`); the sandbox's own report can only take credit away. The first sandbox may be
 launched early (`Session.warm_up`), so that it starts while pytest loads the tests.
 """
 
@@ -28,12 +28,12 @@ from typing import Any
 
 import pytest
 
-from autograder import origin
-from autograder.labs import LabSpec
-from autograder.limits import Limits
-from autograder.notebook import Submission
-from autograder.remote import RemoteError, SandboxFailure
-from autograder.sandbox import Sandbox
+from autograder.sandbox.limits import Limits
+from autograder.sandbox.process import Sandbox
+from autograder.sandbox.remote import RemoteError, SandboxFailure
+from autograder.submission import origin
+from autograder.submission.labs import LabSpec
+from autograder.submission.notebook import Submission
 
 
 class GradingProblem(Exception):

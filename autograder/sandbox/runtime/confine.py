@@ -2,7 +2,7 @@
 
 Three layers, all applied by the process to itself (so they hold for everything it later runs,
 children included), inside bubblewrap's sandbox where the grader could start one
-(`autograder.isolation`) and on their own where it could not:
+(`autograder.sandbox.isolation`) and on their own where it could not:
 
 - resource limits: address space, CPU seconds, written file size, no core files, and under bubblewrap
   the number of processes and threads (`apply_limits`);

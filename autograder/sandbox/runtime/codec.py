@@ -1,6 +1,6 @@
 """The wire format between the grader and the sandbox: plain data as JSON, never pickle.
 
-A submission's code runs in another process (`autograder.sandbox`). Everything that crosses back is
+A submission's code runs in another process (`autograder.sandbox.process`). Everything that crosses back is
 decoded here by hand into a small set of types, so no object the submission made can reach the
 grader's process: not an object whose ``__eq__`` always says yes, not a list subclass, not a
 pickle that runs code when loaded.

@@ -1,0 +1,129 @@
+"""Learner's and nanolab's schedulers side by side: built from one settings dict, a workload replayed
+around each (``replay_schedule``), and their records made comparable.
+"""
+
+from __future__ import annotations
+
+from autograder.authoring.testing import Remote, expect
+from nanolab import PyBlockAllocator
+from nanolab.engine.config import EngineConfig
+from nanolab.engine.request import Request, RequestStatus
+from nanolab.engine.scheduler import Scheduler, replay_schedule
+from nanolab.memory.block_manager import BlockManager
+from nanolab.model.sampling import SamplingParams
+
+POLICIES = ("fcfs", "shortest", "priority")
+
+
+def status_of(value) -> str:
+    """A status read from the sandbox (an enum member crosses as its value: "running")."""
+    return "None" if value is None else str(value)
+
+
+def describe(cfg: dict) -> str:
+    return (
+        f"policy {cfg['scheduling_policy']!r}"
+        + (f" (aging_steps={cfg['aging_steps']})" if cfg["scheduling_policy"] == "priority" else "")
+        + f", max_num_seqs={cfg['max_num_seqs']}, max_num_batched_tokens={cfg['max_num_batched_tokens']}, "
+        f"{cfg['num_blocks']} blocks of {cfg['block_size']}"
+        + ("" if "chunked" not in cfg else f", chunked prefill {'on' if cfg['chunked'] else 'off'}")
+    )
+
+
+def reference_scheduler(cfg: dict) -> Scheduler:
+    """nanolab's scheduler with ``cfg``'s settings: chunked prefill only if ``cfg["chunked"]`` (Lab 5; Lab 4
+    has none), no prefix cache."""
+    config = EngineConfig(
+        block_size=cfg["block_size"],
+        num_blocks=cfg["num_blocks"],
+        max_num_seqs=cfg["max_num_seqs"],
+        max_num_batched_tokens=cfg["max_num_batched_tokens"],
+        max_model_len=4096,
+        enable_chunked_prefill=cfg.get("chunked", False),
+        enable_prefix_caching=False,
+        scheduling_policy=cfg["scheduling_policy"],
+        aging_steps=cfg["aging_steps"],
+    )
+    return Scheduler(config, BlockManager(PyBlockAllocator(cfg["num_blocks"]), cfg["block_size"]))
+
+
+def learner_scheduler(lab, cfg: dict):
+    """The learner's Scheduler on the notebook's block manager; returns it and its allocator (handles)."""
+    allocator = lab.BlockAllocator(cfg["num_blocks"])
+    config = lab.SchedulerConfig(
+        max_num_seqs=cfg["max_num_seqs"],
+        max_num_batched_tokens=cfg["max_num_batched_tokens"],
+        scheduling_policy=cfg["scheduling_policy"],
+        aging_steps=cfg["aging_steps"],
+        **({"enable_chunked_prefill": cfg["chunked"]} if "chunked" in cfg else {}),
+    )
+    return lab.Scheduler(config, lab.BlockManager(allocator, cfg["block_size"])), allocator
+
+
+def learner_replay(lab, cfg: dict, events: list[tuple]) -> tuple[list, Remote, Remote]:
+    """The learner's Scheduler through the notebook's replay_schedule: the records, and the scheduler
+    and its allocator (handles) to check afterwards."""
+    scheduler, allocator = learner_scheduler(lab, cfg)
+    records = expect(lab.replay_schedule(scheduler, events), list, "replay_schedule(Scheduler(...), events)")
+    assert len(records) == len(events), "replay_schedule should return one record per event"
+    for record in records:
+        expect(record, tuple, "each record of replay_schedule(...)")
+    return records, scheduler, allocator
+
+
+def reference_replay(cfg: dict, events: list[tuple]) -> tuple[list, Scheduler]:
+    scheduler = reference_scheduler(cfg)
+    return replay_schedule(scheduler, events), scheduler
+
+
+def comparable(record: tuple) -> tuple:
+    """A record with the order of the batch and of the tables kept (dicts compare without it), and an
+    error's message left out (only its type counts)."""
+    if record[:1] == ("error",):
+        return tuple(record[:2])
+    if (
+        record[:1] == ("step",)
+        and len(record) == 4
+        and isinstance(record[1], dict)
+        and isinstance(record[3], dict)
+    ):
+        return ("step", list(record[1].items()), record[2], list(record[3].items()))
+    return tuple(record)
+
+
+class Driver:
+    """nanolab's replay_schedule one event at a time, to build workloads around what the reference does
+    (abort a request while it is waiting, running or preempted)."""
+
+    def __init__(self, cfg: dict) -> None:
+        self.scheduler = reference_scheduler(cfg)
+        self.live: dict[str, tuple] = {}
+        self.steps = 0
+
+    def play(self, event: tuple) -> None:
+        if event[0] == "add":
+            rid, prompt_len, output_len, priority, arrival = event[1:]
+            req = Request(rid, [1] * prompt_len, SamplingParams(), priority=priority, arrival_time=arrival)
+            try:
+                self.scheduler.add(req)
+            except ValueError:
+                return
+            self.live[rid] = (req, output_len)
+        elif event[0] == "abort":
+            req, _ = self.live.pop(event[1])
+            self.scheduler.abort(req)
+            req.status = RequestStatus.FINISHED
+        else:
+            self.steps += 1
+            out = self.scheduler.schedule()
+            for req, n in out.scheduled:
+                req.num_computed_tokens += n
+                if req.num_computed_tokens == req.num_tokens:
+                    req.output_token_ids.append(0)
+                    if len(req.output_token_ids) >= self.live[req.request_id][1]:
+                        self.scheduler.finish(req)
+                        req.status = RequestStatus.FINISHED
+                        del self.live[req.request_id]
+
+    def in_state(self, state: str) -> list[str]:
+        return [rid for rid, (req, _) in self.live.items() if req.status == state]
