@@ -487,7 +487,7 @@ held-out stream ({r["eval_windows"] * s.seq_len:,} predicted tokens):
 | bits per byte | {r["held_loss"] / math.log(2) * r["held_tokens_per_byte"]:.3f} |
 | check sample loss | {r["check_loss"]:.4f} nats/token on the first {CHECK_WINDOWS} windows of the held-out stream (token ids sha256 `{r["check_digest"]}`) |
 
-`tests/test_bundled_model.py` recomputes the check-sample loss.
+`tests/model/test_bundled_model.py` recomputes the check-sample loss.
 
 ## Sample generations
 

@@ -1,0 +1,162 @@
+"""Building fixture notebooks for the grading tests: edits of solutions/ and labs/, graded in one batch."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from autograder.grading.grade import DEFAULT_TESTS_DIR, GradeOptions, grade
+from autograder.grading.results import SubmissionResult
+from autograder.sandbox.limits import Limits
+
+STUB = "raise NotImplementedError()"
+
+# A list whose comparisons always say "equal", for a tampered cell to return: made in the learner's process,
+# it crosses to the grader as a plain list (or a handle), so the grader compares the data it holds.
+LYING_LIST = """
+class _Yes(list):
+    def __eq__(self, other):
+        return True
+
+    def __ne__(self, other):
+        return False
+
+    __hash__ = None
+"""
+
+
+def cell(nb: dict, grade_id: str) -> dict:
+    """The notebook cell with this nbgrader grade_id."""
+    return next(
+        c for c in nb["cells"] if c.get("metadata", {}).get("nbgrader", {}).get("grade_id") == grade_id
+    )
+
+
+def edit(nb: dict, grade_id: str, change: Callable[[str], str]) -> None:
+    """Replace a cell's source by ``change(source)``; an edit that changes nothing fails the test."""
+    c = cell(nb, grade_id)
+    old = "".join(c["source"])
+    new = change(old)
+    assert new != old, (
+        f"the fixture edit of {grade_id!r} changed nothing: the notebook changed, update the test"
+    )
+    c["source"] = new
+
+
+def sub(nb: dict, grade_id: str, old: str, new: str, count: int = -1) -> None:
+    """Replace ``old`` by ``new`` in a cell (the first ``count`` times; all when -1)."""
+    edit(nb, grade_id, lambda src: src.replace(old, new, count))
+
+
+class Batch:
+    """Fixture notebooks written under ``base``, graded together against a copy of the hidden tests."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.tests_copy = base / "hidden"
+        shutil.copytree(DEFAULT_TESTS_DIR, self.tests_copy, ignore=shutil.ignore_patterns("__pycache__"))
+        self.notebooks: dict[str, Path] = {}
+
+    def save(self, name: str, nb: dict) -> None:
+        self.notebooks[name] = self.base / f"{name}.ipynb"
+        self.notebooks[name].write_text(json.dumps(nb))
+
+    def add_standard(
+        self,
+        solution: Path,
+        lab: Path,
+        planted_bugs: dict[str, tuple[str, str, str, str]],
+        tampered: dict[str, Callable[[dict], None]],
+    ) -> None:
+        """The solution, the blank lab, the solution with each planted bug (cell, old, new, catching test)
+        and the lab with each tampering."""
+        self.save("solution", json.loads(solution.read_text()))
+        self.save("blank", json.loads(lab.read_text()))
+        for name, (grade_id, old, new, _) in planted_bugs.items():
+            nb = json.loads(solution.read_text())
+            sub(nb, grade_id, old, new)
+            self.save(f"bug_{name}", nb)
+        for name, tamper in tampered.items():
+            nb = json.loads(lab.read_text())
+            tamper(nb)
+            self.save(f"tamper_{name}", nb)
+
+    def grade(self, limits: Limits) -> dict[str, SubmissionResult]:
+        names = list(self.notebooks)
+        options = GradeOptions(tests_dir=self.tests_copy, limits=limits, max_restarts=2)
+        results = grade([self.notebooks[n] for n in names], options, jobs=2, progress=False)
+        return dict(zip(names, results))
+
+
+# -- the checks every lab's grading tests make on its standard batch (see `Batch.add_standard`)
+
+
+def check_solution_scores_full_marks(results: dict[str, SubmissionResult], lab: int) -> None:
+    result = results["solution"]
+    failed = {t.id: t.output for t in result.tests if t.status != "passed"}
+    assert result.lab == lab and result.max_score > 0 and not failed, failed
+    assert result.score == result.max_score
+
+
+def check_blank_lab_scores_zero(results: dict[str, SubmissionResult]) -> None:
+    result = results["blank"]
+    assert result.max_score == results["solution"].max_score
+    assert result.score == 0
+    assert all("NotImplementedError" in t.output for t in result.tests), {
+        t.id: t.output for t in result.tests
+    }
+
+
+def check_planted_bug_is_caught(
+    results: dict[str, SubmissionResult], planted_bugs: dict[str, tuple[str, str, str, str]], name: str
+) -> None:
+    """The test aimed at planted bug ``name`` fails, and the submission keeps partial credit."""
+    result = results[f"bug_{name}"]
+    catcher = planted_bugs[name][3]
+    status = {t.id: t.status for t in result.tests}
+    assert status[catcher] == "failed", f"{catcher} did not catch {name}"
+    assert 0 < result.score < result.max_score
+
+
+# A setup cell whose replay_schedule plays a correct scheduler of its own (the solution's code, run in a
+# namespace of its own) and never touches the scheduler it is given: its records are right, the learner's
+# Scheduler is a stub (Labs 4 and 5).
+OWN_REPLAY = """
+
+_OWN = {own!r}
+_plain_replay = replay_schedule
+
+
+def replay_schedule(scheduler, events, new_request=None):
+    namespace = dict(globals())
+    exec(_OWN, namespace)
+    blocks = scheduler.block_manager
+    own = namespace["Scheduler"](
+        scheduler.config, BlockManager(BlockAllocator(blocks.allocator.num_total), blocks.block_size)
+    )
+    return _plain_replay(own, events, new_request)
+"""
+
+
+def replay_ignoring_the_scheduler(nb: dict, own: str) -> None:
+    """Make the setup cell's replay_schedule run ``own`` (a correct scheduler's code) instead of the
+    scheduler it is given."""
+    setup = cell(nb, "setup")
+    setup["source"] = "".join(setup["source"]) + OWN_REPLAY.format(own=own)
+
+
+def solution_namespace(name: str) -> dict:
+    """Run the setup and graded cells of ``solutions/<name>`` (no experiments) and return their namespace:
+    a module's, registered in ``sys.modules`` so that the cells' dataclasses can find it."""
+    import sys
+    import types
+
+    from autograder.submission.notebook import read_submission
+
+    module = types.ModuleType(f"solution_{Path(name).stem}")
+    sys.modules[module.__name__] = module
+    for c in read_submission(Path(__file__).resolve().parents[2] / "solutions" / name).cells:
+        exec(compile(c["source"], f"<cell {c['id']}>", "exec"), module.__dict__)
+    return module.__dict__
