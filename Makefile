@@ -6,11 +6,11 @@ PY := $(VENV)/bin/python
 # torch is pinned so a fresh machine takes the CPU build rather than the default CUDA wheels.
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.nanolab-installed
-LINT_DIRS := $(wildcard nanolab tests bench scripts autograder)
+LINT_DIRS := $(wildcard nanolab tests bench scripts autograder labkit)
 BUILD_INPUTS := pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/CMakeLists.txt)
 # The editable install maps each module to its file when it is installed, so a module added, moved or
 # removed needs a reinstall: the list of modules is kept in a file that changes only when the list does.
-MODULES := $(sort $(shell find nanolab autograder -name '*.py' -not -path '*/tests/*' 2>/dev/null))
+MODULES := $(sort $(shell find nanolab autograder labkit -name '*.py' -not -path '*/tests/*' 2>/dev/null))
 MODULE_LIST := $(VENV)/.nanolab-modules
 
 .PHONY: setup lab test lint bench labs solutions check-notebooks mutants clean FORCE

@@ -5,6 +5,7 @@
 Checks that:
 
 - every notebook in git (tracked, or new and not ignored) has no outputs and no execution counts;
+- every solution's setup cell is its ``labkit/labNN.py`` module's text;
 - labs/ is exactly what ``make labs`` generates from solutions/ (and holds no lab without a solution);
 - every solution notebook names its lab in ``metadata.nanolab.lab`` and carries valid nbgrader
   metadata (schema 3, unique ``grade_id``\\ s, points on check cells, ``### BEGIN SOLUTION`` regions only
@@ -19,7 +20,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_labs import LABS, ROOT, SOLUTIONS, generate_lab, solution_notebooks  # noqa: E402
+import nbformat  # noqa: E402
+from make_labs import LABS, ROOT, SOLUTIONS, generate_lab, include_setup, setup_module, solution_notebooks  # noqa: E402
 
 
 def _rel(path: Path) -> Path:
@@ -123,6 +125,12 @@ def main() -> int:
         problems += metadata_problems(source)
         target = LABS / source.name
         try:
+            nb = nbformat.read(str(source), as_version=4)
+            if include_setup(nb):
+                problems.append(
+                    f"{_rel(source)}: its setup cell differs from {_rel(setup_module(nb))}, where that code is "
+                    "edited: run `make labs` and commit the result"
+                )
             expected = generate_lab(source)
         except Exception as e:  # nbgrader raises RuntimeError for broken solution regions
             problems.append(f"{_rel(source)} cannot be turned into a lab: {e}")

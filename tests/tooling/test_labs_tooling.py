@@ -1,10 +1,12 @@
 """The lab tooling: labs/ is generated from solutions/ deterministically, with the solutions removed,
 the given cells locked and no outputs; check_notebooks catches drift; the solution notebooks run on a
-real Jupyter kernel; the learner's classes have the reference's interface."""
+real Jupyter kernel; each setup cell is its labkit module."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -114,3 +116,46 @@ def test_solution_notebook_runs_top_to_bottom_on_a_real_kernel(source, tmp_path,
 
 
 LAB02 = "lab02_attention_kv_cache.ipynb"
+
+
+@pytest.mark.parametrize("source", SOLUTIONS, ids=lambda p: p.name)
+def test_each_setup_cell_is_its_labkit_module(source):
+    """A lab's setup code is written once, in ``labkit/labNN.py``: the solution's and the lab's setup cells
+    hold exactly its text, and the module imports as it is (tests may use it instead of the notebook)."""
+    nb = json.loads(source.read_text())
+    number = nb["metadata"]["nanolab"]["lab"]
+    module = ROOT / "labkit" / f"lab{number:02d}.py"
+    text = module.read_text(encoding="utf-8").rstrip("\n")
+    assert cell_source(cells_by_id(nb)["setup"]) == text, "run `make labs`"
+    lab = json.loads((make_labs.LABS / source.name).read_text())
+    assert cell_source(cells_by_id(lab)["setup"]) == text
+    imported = importlib.import_module(f"labkit.lab{number:02d}")
+    assert Path(imported.__file__).resolve() == module.resolve()
+
+
+def test_a_setup_cell_edited_in_the_notebook_is_caught_and_rewritten(tmp_path, monkeypatch, capsys):
+    """Editing the setup cell instead of its module is drift: check_notebooks names it, and make_labs writes
+    the module's text back into the cell."""
+    solutions = tmp_path / "solutions"
+    solutions.mkdir()
+    shutil.copy(make_labs.SOLUTIONS / "lab01_tokenizer.ipynb", solutions)
+    nb = json.loads((solutions / "lab01_tokenizer.ipynb").read_text())
+    setup = cells_by_id(nb)["setup"]
+    setup["source"] = cell_source(setup) + "\nEXTRA = 1"
+    (solutions / "lab01_tokenizer.ipynb").write_text(json.dumps(nb, indent=1))
+    labs = tmp_path / "labs"
+    labs.mkdir()
+    shutil.copy(make_labs.LABS / "lab01_tokenizer.ipynb", labs)
+    for module in (make_labs, check_notebooks):
+        monkeypatch.setattr(module, "SOLUTIONS", solutions)
+        monkeypatch.setattr(module, "LABS", labs)
+    monkeypatch.setattr(make_labs, "ROOT", tmp_path)  # where its messages are relative to
+    monkeypatch.setattr(make_labs, "solution_notebooks", lambda: [solutions / "lab01_tokenizer.ipynb"])
+    monkeypatch.setattr(check_notebooks, "solution_notebooks", lambda: [solutions / "lab01_tokenizer.ipynb"])
+    monkeypatch.setattr(check_notebooks, "notebooks_in_git", lambda: [])
+    assert check_notebooks.main() == 1
+    assert "setup cell differs from labkit/lab01.py" in capsys.readouterr().err
+    assert make_labs.main(["--check"]) == 1
+    assert make_labs.main([]) == 0
+    assert "EXTRA = 1" not in (solutions / "lab01_tokenizer.ipynb").read_text()
+    assert check_notebooks.main() == 0, capsys.readouterr().err
