@@ -38,6 +38,9 @@ ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)
 WORK ?= work
 # JupyterLab runs with the venv's bin first on PATH, so its terminals and kernels find `nanolab`; its
 # terminals run the user's shell as it is, not as a login shell, whose /etc/profile would reset PATH.
+# It is started from inside the folder it opens (WORK, or the repository for INSTRUCTOR=1): a terminal
+# starts in the server's own working directory (terminado_settings has no `cwd` that jupyter-server
+# reads), so that is where `nanolab grade lab01_tokenizer.ipynb`, as the notebooks give it, finds the lab.
 # The learner's JupyterLab also reads jupyter/ (no nbgrader menus, buttons or server extensions, no news
 # popup); INSTRUCTOR=1 leaves that out and opens the whole repository, nbgrader's tools included.
 INSTRUCTOR ?=
@@ -49,7 +52,7 @@ LEARNER_ENV := JUPYTER_CONFIG_PATH="$(abspath jupyter)$${JUPYTER_CONFIG_PATH:+:$
 lab: setup
 ifeq ($(INSTRUCTOR),)
 	$(PY) scripts/working_copy.py "$(WORK)"
-	$(LAB_ENV) $(LEARNER_ENV) $(VENV)/bin/jupyter lab $(ROOT_ARGS) $(TERMINAL_ARGS) $(LAB_ARGS) "$(WORK)"
+	CDPATH= cd -- "$(WORK)" && $(LAB_ENV) $(LEARNER_ENV) "$(abspath $(VENV))/bin/jupyter" lab $(ROOT_ARGS) $(TERMINAL_ARGS) $(LAB_ARGS) .
 else
 	$(LAB_ENV) $(VENV)/bin/jupyter lab $(ROOT_ARGS) $(TERMINAL_ARGS) $(LAB_ARGS) .
 endif

@@ -1,4 +1,4 @@
-"""The engine: which requests run, and one step that runs them all (Labs 4 and 5; Lab 7, planned).
+"""The engine: which requests run, and one step that runs them all (Labs 4 and 5; Lab 7 to come).
 
 `config` (`EngineConfig`, every engine setting in one place), `request` (the request state machine and
 its outputs), `prompt` (a prompt normalised, tokenized and checked, once), `batching` (static and continuous

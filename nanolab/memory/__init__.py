@@ -1,4 +1,4 @@
-"""KV memory: where every running request's keys and values live (Lab 3; the radix cache: Lab 6, planned).
+"""KV memory: where every running request's keys and values live (Lab 3; the radix cache: Lab 6).
 
 `paging` (the block arithmetic, written once), `block_allocator` (free list and reference counts; the
 C++ class or its Python twin), `block_manager` (a block table per request on top of an allocator and a

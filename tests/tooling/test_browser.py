@@ -3,10 +3,13 @@
 The lab with the shortest run (Lab 1) is opened from a working copy whose graded cells hold the
 solution's code; the test runs all cells from JupyterLab's Run menu, then checks what a learner would
 see: no error, the plots drawn, a check cell's "passed" line, an ipywidgets slider that redraws what it
-shows when moved, and none of the instructor's tools or the news popup. Needs Chromium and its
-WebDriver (Debian: ``apt-get install -y chromium chromium-driver``; ``.ci/run`` installs them). Without
-them the test is skipped, unless ``NANOLAB_BROWSER_TEST=required`` (set by ``.ci/run`` once it has
-installed them). A failing run saves screenshots in build/browser-test/ and names them.
+shows when moved, and none of the instructor's tools or the news popup. Last, it opens a terminal
+(File > New > Terminal) and types the grade command the notebook gives (``nanolab grade
+lab01_tokenizer.ipynb``, no folder: the terminal starts in the working copy), which must print the lab's
+score line, with full marks. Needs Chromium and its WebDriver (Debian: ``apt-get install -y chromium
+chromium-driver``; ``.ci/run`` installs them). Without them the test is skipped, unless
+``NANOLAB_BROWSER_TEST=required`` (set by ``.ci/run`` once it has installed them). A failing run saves
+screenshots in build/browser-test/ and names them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import re
 import shutil
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -27,6 +31,8 @@ WIDGET_CELL = "widget"
 CHECK_CELL = "check-pair-counts"
 CHECK_PASSED = "pair_counts: all checks passed"
 SHOTS = ROOT / "build" / "browser-test"
+# The grader's score line for the lab: the notebook, its lab number, points out of the lab's total.
+SCORE_LINE = re.compile(rf"^{re.escape(LAB)}\s+\d+\s+(\d+)/(\d+)\b", re.M)
 INSTALL = "apt-get install -y chromium chromium-driver"
 
 # Everything the test reads from the page, in one call: per cell, its kind, prompt, outputs and errors.
@@ -50,6 +56,13 @@ return [...document.querySelectorAll('.jp-NotebookPanel .jp-Notebook .jp-Cell')]
       .map(e => e.textContent).filter(t => t.includes('Traceback (most recent call last)')).join('\\n') : '',
   };
 });
+"""
+
+# What the open terminal shows, as text. xterm.js draws on a canvas; in screen reader mode (turned on for
+# this test, see _readable_terminals) it also keeps its rows as text in an accessibility tree.
+TERMINAL_JS = """
+const rows = document.querySelectorAll('.jp-Terminal:not(.lm-mod-hidden) .xterm-accessibility-tree > div');
+return [...rows].map(row => row.textContent.replace(/\\u00a0/g, ' ').trimEnd()).join('\\n');
 """
 
 
@@ -88,6 +101,28 @@ def _solved_lab(dest: Path) -> list[str | None]:
     return [grade_id(c) for c in lab["cells"]]
 
 
+def _grade_command() -> str:
+    """The command the lab's notebook tells the learner to grade it with, as it gives it."""
+    text = "".join("".join(c["source"]) for c in json.loads((ROOT / "labs" / LAB).read_text())["cells"])
+    commands = set(re.findall(r"nanolab grade lab\d\d_\w+\.ipynb", text))
+    assert commands == {f"nanolab grade {LAB}"}, f"labs/{LAB} gives {sorted(commands)}"
+    return commands.pop()
+
+
+def _readable_terminals(lab) -> None:
+    """Turn on the terminals' screen reader mode in this JupyterLab's settings (the test's own, in its
+    temporary state folder), so that what a terminal shows can be read from the page as text."""
+    body = json.dumps({"raw": json.dumps({"screenReaderMode": True})}).encode()
+    request = urllib.request.Request(
+        f"{lab.url}/lab/api/settings/@jupyterlab/terminal-extension:plugin",
+        data=body,
+        headers={"Authorization": f"token {TOKEN}", "Content-Type": "application/json"},
+        method="PUT",
+    )
+    with urllib.request.urlopen(request, timeout=10) as r:
+        assert r.status == 204, f"the terminal settings were not saved ({r.status})"
+
+
 class Page:
     """The browser, and what a failing test leaves behind: screenshots in build/browser-test/."""
 
@@ -117,19 +152,28 @@ class Page:
             index,
         )
 
-    def click_menu(self, menu: str, item: str) -> None:
+    def terminal(self) -> str:
+        return self.driver.execute_script(TERMINAL_JS)
+
+    def click_menu(self, menu: str, *items: str) -> None:
+        """Click ``menu`` in the menu bar, then each of ``items`` in turn (a submenu, then its item)."""
         from selenium.webdriver.common.by import By
 
         self.driver.find_element(
             By.XPATH, f"//div[contains(@class, 'lm-MenuBar-itemLabel')][text()='{menu}']"
         ).click()
-        self.wait(
-            f"the {menu} menu",
-            lambda: self.driver.find_elements(
-                By.XPATH, f"//div[contains(@class, 'lm-Menu-itemLabel')][text()='{item}']"
-            ),
-            10,
-        )[0].click()
+        for item in items:
+            self.wait(
+                f"{item!r} in the {menu} menu",
+                lambda item=item: [
+                    e
+                    for e in self.driver.find_elements(
+                        By.XPATH, f"//div[contains(@class, 'lm-Menu-itemLabel')][text()='{item}']"
+                    )
+                    if e.is_displayed()
+                ],
+                10,
+            )[-1].click()
 
     def save_failure(self) -> list[Path]:
         SHOTS.mkdir(parents=True, exist_ok=True)
@@ -142,10 +186,12 @@ class Page:
         return [*saved, SHOTS / "jupyterlab.log"]
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.sandbox  # it grades the lab from JupyterLab's terminal
+@pytest.mark.timeout(480)
 def test_a_learner_runs_lab1_in_jupyterlab(tmp_path):
     """In `make lab`'s JupyterLab, in Chromium: Run > Run All Cells on Lab 1 with working code draws its
-    plots, prints its checks' passed lines, and its slider redraws; no nbgrader tools, no news popup."""
+    plots, prints its checks' passed lines, and its slider redraws; no nbgrader tools, no news popup; and
+    the notebook's grade command, typed in a new terminal, grades the learner's copy: full marks."""
     found = _browser()
     if found is None:
         _no_browser(
@@ -156,6 +202,7 @@ def test_a_learner_runs_lab1_in_jupyterlab(tmp_path):
         from selenium.webdriver.chrome.service import Service
         from selenium.webdriver.common.action_chains import ActionChains
         from selenium.webdriver.common.by import By
+        from selenium.webdriver.common.keys import Keys
     except ImportError:
         _no_browser("selenium is not installed: `make setup` installs it (the dev extra)")
     shutil.rmtree(SHOTS, ignore_errors=True)
@@ -176,6 +223,7 @@ def test_a_learner_runs_lab1_in_jupyterlab(tmp_path):
     ):
         options.add_argument(arg)
     with make_lab(tmp_path, f"WORK={work}") as lab:
+        _readable_terminals(lab)
         driver = webdriver.Chrome(service=Service(found[1]), options=options)
         page = Page(driver, lab)
         try:
@@ -243,6 +291,25 @@ def test_a_learner_runs_lab1_in_jupyterlab(tmp_path):
             for instructor_only in ("Validate", "Create Assignment", "Jupyter news"):
                 assert instructor_only not in ui, f"the learner's JupyterLab shows {instructor_only!r}: {ui}"
             print(f"Lab 1 ran in the browser in {ran:.1f} s")
+
+            command = _grade_command()
+            page.stage = "a new terminal"
+            page.click_menu("File", "New", "Terminal")
+            page.wait("the terminal's prompt", lambda: page.terminal().strip(), 30)
+            typed = driver.find_element(
+                By.CSS_SELECTOR, ".jp-Terminal:not(.lm-mod-hidden) .xterm-helper-textarea"
+            )
+            ActionChains(driver).send_keys_to_element(typed, command + Keys.ENTER).perform()
+
+            def graded() -> re.Match | None:
+                shown = page.terminal()
+                assert "not graded" not in shown, f"`{command}` in the terminal did not grade:\n{shown}"
+                return SCORE_LINE.search(shown)
+
+            score = page.wait(f"the score line of `{command}`", graded, 120)
+            points, total = int(score[1]), int(score[2])
+            assert 0 < total == points, f"the solved copy scored {points}/{total}:\n{page.terminal()}"
+            print(f"`{command}` in JupyterLab's terminal: {points}/{total}")
         except Exception as e:
             try:
                 saved = page.save_failure()

@@ -1,10 +1,12 @@
 """`make lab`, the learner's way in: a working copy that nothing the project runs fails on or overwrites,
-JupyterLab with `nanolab` on its terminals' PATH, and none of the instructor's tools in the learner's UI."""
+JupyterLab with terminals that start in it and have `nanolab` on their PATH, and none of the instructor's
+tools in the learner's UI."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 from helpers.lab_server import ROOT, TOKEN, Lab, make_lab
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -172,11 +175,46 @@ def test_make_lab_opens_the_working_copy_with_nanolab_on_path_and_no_instructor_
     assert "Your work lives in" not in lab.output(), "the working copy existed: nothing to announce"
 
 
+def _grade_command(notebook: Path) -> str:
+    """The command a lab notebook tells the learner to grade it with (``nanolab grade labNN_....ipynb``)."""
+    text = "".join("".join(c["source"]) for c in json.loads(notebook.read_text(encoding="utf-8"))["cells"])
+    commands = set(re.findall(r"nanolab grade lab\d\d_\w+\.ipynb", text))
+    assert commands == {f"nanolab grade {notebook.name}"}, f"{notebook.name} gives {sorted(commands)}"
+    return commands.pop()
+
+
+def _shown_lines(shown: str) -> list[str]:
+    return [line.strip() for line in shown.splitlines()]
+
+
+@pytest.mark.sandbox  # grades the working copy's Lab 1 from the terminal
+def test_make_lab_terminals_start_in_the_working_copy(tmp_path):
+    """A terminal of the learner's JupyterLab starts in the working copy, not where `make` ran, so the
+    grade command a lab gives (`nanolab grade lab01_tokenizer.ipynb`, no folder) grades the learner's
+    copy there."""
+    work = tmp_path / "work"
+    with make_lab(tmp_path, f"WORK={work}") as lab:
+        shown = asyncio.run(_run_in_terminal(lab, "pwd"))
+        assert {str(work), str(work.resolve())} & set(_shown_lines(shown)), (
+            f"the terminal did not start in the working copy {work}; it showed:\n{shown}"
+        )
+        command = _grade_command(ROOT / "labs" / LAB1)
+        shown = asyncio.run(_run_in_terminal(lab, command, timeout=120))
+        assert "does not exist" not in shown, f"`{command}` found no notebook:\n{shown}"
+        # the score line: the notebook, its lab, points out of the lab's total (the copy is blank: 0 points)
+        assert re.search(rf"^{re.escape(LAB1)}\s+1\s+\d+/[1-9]\d*\s", shown, re.M), (
+            f"`{command}` in the terminal showed no score:\n{shown}"
+        )
+
+
 def test_make_lab_instructor_mode_has_nbgrader(tmp_path):
-    """`make lab INSTRUCTOR=1` opens the repository with nbgrader's tools, for people who write labs."""
+    """`make lab INSTRUCTOR=1` opens the repository with nbgrader's tools, for people who write labs; its
+    terminals start in the repository, the folder it opens."""
     with make_lab(tmp_path, "INSTRUCTOR=1") as lab:
         names = {item["name"] for item in json.loads(lab.get("/api/contents/")[1])["content"]}
         assert {"solutions", "labs"} <= names
+        shown = asyncio.run(_run_in_terminal(lab, "pwd"))
+        assert str(ROOT) in _shown_lines(shown), f"the terminal did not start in {ROOT}:\n{shown}"
         assert NBGRADER_LAB_EXTENSION not in lab.page_config().get("disabledExtensions", [])
         assert "nbgrader.server_extensions.formgrader" in lab.loaded_server_extensions()
         assert lab.get("/formgrader")[0] != 404
