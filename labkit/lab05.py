@@ -46,6 +46,9 @@ class Request:
     admitted_seq: int | None = None  # 1 for the scheduler's first admission, 2 for the next, ...
     num_cached_tokens: int = 0  # (the prefix cache's, Lab 6)
     prefix_node: object = None  # (the prefix cache's, Lab 6)
+    group: object = None  # (parallel sampling's: the samples of one request, which share blocks)
+    samples_to_fork: int = 0  # (parallel sampling's: samples still to fork once the prompt is computed)
+    wants_prompt_logprobs: bool = False  # (True: the prefix cache may not serve its prompt)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -163,6 +166,7 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (parallel sampling's copy-on-write)
 
     @property
     def num_tokens(self) -> int:

@@ -30,9 +30,9 @@ except ModuleNotFoundError:  # Python 3.10: tomli (a dependency of pytest there)
 
 from autograder.submission.labs import LabSpec, lab_spec
 
-HIDDEN_TARGET = 0.90  # share of mutants the hidden tests must catch, on every grading seed
-VISIBLE_TARGET = 0.60  # share of mutants the visible check cells must catch
-MIN_MUTANTS = 20  # the smallest mutant set that measures a lab
+HIDDEN_TARGET = 0.95  # share of mutants the hidden tests must catch, on every grading seed
+VISIBLE_TARGET = 0.80  # share of mutants the visible check cells must catch
+MIN_MUTANTS = 25  # the smallest mutant set that measures a lab
 
 MUTANTS_DIR = Path(__file__).resolve().parent
 SOLUTIONS_DIR = MUTANTS_DIR.parents[1] / "solutions"

@@ -270,7 +270,7 @@ class Engine:
                 sample_rows.append(row - 1)
                 to_sample.append(r)
                 prefilled.append(n > 1)  # this step computed (the end of) a prompt, not a decode
-        copies = getattr(out, "blocks_to_copy", None)  # copy-on-write (parallel samples), before any write
+        copies = out.blocks_to_copy  # copy-on-write (parallel samples), before any write
         if copies:
             self.kv_cache.copy_blocks(copies)
         positions = self.kv_cache.prepare(seqs)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, runtime_checkable
 
 from nanolab.engine.config import EngineConfig, SchedulingPolicy
-from nanolab.engine.request import FinishReason, Request, RequestStatus, admit, preempt
+from nanolab.engine.request import Request, RequestStatus, admit, preempt
 from nanolab.memory.block_manager import BlockManager
 
 
@@ -64,6 +64,12 @@ class SchedulerProtocol(Protocol):
     The engine calls `add` for each new request, `schedule` once per step, then `finish` for each
     request that finished in that step (`abort` at any time). The scheduler owns the KV blocks of the
     requests it runs, through its `BlockManager`, and must release them on finish and abort.
+
+    `schedule` returns a `SchedulerOutput`, or an object with the same three fields (the labs' setup code
+    has one, with ``blocks_to_copy`` empty unless it forks samples). The requests a scheduler handles have
+    the fields of `Request` it reads; those of parallel sampling and prompt logprobs have defaults that
+    mean "not used" (``group`` None, ``samples_to_fork`` 0, ``wants_prompt_logprobs`` False), and the
+    labs' setup `Request` declares them so.
     """
 
     waiting: list[Request]
@@ -76,12 +82,6 @@ class SchedulerProtocol(Protocol):
     def finish(self, req: Request) -> None: ...
 
     def abort(self, req: Request) -> None: ...
-
-
-def _forks_to_come(req: Request) -> int:
-    """Further samples a request will fork into (0 for a request class without parallel sampling, such as
-    a notebook's own)."""
-    return getattr(req, "samples_to_fork", 0)
 
 
 def waiting_order(waiting: Sequence[Request], policy: str, now: int, aging_steps: int) -> list[Request]:
@@ -175,7 +175,7 @@ class Scheduler:
                 f"request {req.request_id!r} needs {self.block_manager.num_blocks_for(tokens)} KV blocks "
                 f"for its {tokens} tokens but the pool has num_blocks={self.block_manager.num_total_blocks}"
             )
-        if _forks_to_come(req) and req.sampling_params.n > cfg.max_num_seqs:
+        if req.samples_to_fork and req.sampling_params.n > cfg.max_num_seqs:
             raise ValueError(
                 f"request {req.request_id!r} asks for n={req.sampling_params.n} samples but at most "
                 f"max_num_seqs={cfg.max_num_seqs} sequences run at once"
@@ -219,7 +219,7 @@ class Scheduler:
         """
         while True:
             if self.block_manager.grow(req, num_new):
-                shares = getattr(req, "group", None) is not None  # a sample may share its last block
+                shares = req.group is not None  # a sample may share its last block
                 copies = self.block_manager.copy_on_write(req, num_new) if shares else []
                 if copies is not None:
                     out.blocks_to_copy += copies
@@ -261,10 +261,10 @@ class Scheduler:
 
         # 3. waiting requests, in policy order.
         self.waiting = waiting_order(self.waiting, cfg.scheduling_policy, self.step_count, cfg.aging_steps)
-        seats = len(self.running) + sum(_forks_to_come(r) for r in self.running)  # forks to come included
+        seats = len(self.running) + sum(r.samples_to_fork for r in self.running)  # forks to come included
         while self.waiting and budget > 0 and seats < cfg.max_num_seqs:
             req = self.waiting[0]
-            if seats + 1 + _forks_to_come(req) > cfg.max_num_seqs:
+            if seats + 1 + req.samples_to_fork > cfg.max_num_seqs:
                 break  # its samples need more seats than are free: it waits for them
             if not cfg.enable_chunked_prefill and req.remaining_prefill() > budget:
                 break  # the prompt must go in one step; it waits for a step with room
@@ -276,72 +276,8 @@ class Scheduler:
             self._admissions += 1
             req.admitted_seq = self._admissions
             self.running.append(req)
-            seats += 1 + _forks_to_come(req)
+            seats += 1 + req.samples_to_fork
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
 
         return out
-
-
-def replay_schedule(
-    scheduler: SchedulerProtocol,
-    events: Sequence[tuple],
-    new_request: Callable[[str, int, int, float], Request] | None = None,
-) -> list[tuple]:
-    """Play an engine's part around ``scheduler``, without a model: schedulers are compared this way.
-
-    Events: ``("add", request_id, prompt_len, output_len, priority, arrival_time)``, ``("step",)`` and
-    ``("abort", request_id)``. At each step the scheduler schedules; every scheduled request then gets its
-    tokens computed, one that computed its last token gets a new one (token id 0), and one that has
-    ``output_len`` output tokens finishes ("length"). One record per event: for "add" and "abort"
-    ``("ok",)`` or ``("error", exception type name, message)``; for "step" ``("step", {request_id:
-    num_new_tokens}, [preempted ids, in order], {request_id: block table} of the scheduled requests)``.
-    ``new_request(request_id, prompt_len, priority, arrival_time)`` builds a request (default: a greedy
-    `Request` of ``prompt_len`` tokens). Lab 4's notebook holds a copy of this function.
-
-    Example:
-        >>> from nanolab.engine.config import EngineConfig
-        >>> from nanolab.memory.block_allocator import PyBlockAllocator
-        >>> cfg = EngineConfig(block_size=4, num_blocks=8, max_num_batched_tokens=64, max_model_len=64)
-        >>> s = Scheduler(cfg, BlockManager(PyBlockAllocator(8), block_size=4))
-        >>> replay_schedule(s, [("add", "a", 5, 2, 0, 0.0), ("step",), ("step",), ("step",)])
-        [('ok',), ('step', {'a': 5}, [], {'a': [0, 1]}), ('step', {'a': 1}, [], {'a': [0, 1]}), ('step', {}, [], {})]
-    """
-    if new_request is None:
-        from nanolab.model.sampling import SamplingParams
-
-        def new_request(rid: str, n: int, priority: int, arrival: float) -> Request:
-            return Request(rid, [1] * n, SamplingParams(), priority=priority, arrival_time=arrival)
-
-    live: dict[str, tuple[Request, int]] = {}
-    records = []
-    for event in events:
-        try:
-            if event[0] == "add":
-                rid, prompt_len, output_len, priority, arrival = event[1:]
-                req = new_request(rid, prompt_len, priority, arrival)
-                scheduler.add(req)
-                live[rid] = (req, output_len)
-                record: tuple = ("ok",)
-            elif event[0] == "abort":
-                req, _ = live.pop(event[1])
-                scheduler.abort(req)
-                req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
-                record = ("ok",)
-            else:
-                out = scheduler.schedule()
-                batch = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
-                tables = {s.request.request_id: list(s.request.block_table) for s in out.scheduled}
-                record = ("step", batch, [r.request_id for r in out.preempted], tables)
-                for req, n in out.scheduled:
-                    req.num_computed_tokens += n
-                    if req.num_computed_tokens == req.num_tokens:  # sampled: one more token
-                        req.output_token_ids.append(0)
-                        if len(req.output_token_ids) >= live[req.request_id][1]:
-                            scheduler.finish(req)
-                            req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.LENGTH
-                            del live[req.request_id]
-        except Exception as e:  # the error is part of the behaviour being compared
-            record = ("error", type(e).__name__, str(e))
-        records.append(record)
-    return records

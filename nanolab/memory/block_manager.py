@@ -89,7 +89,7 @@ class BlockManager:
         """
         cache = self.prefix_cache
         # a request that wants its prompt's log-probabilities must compute every position itself
-        use_cache = cache is not None and not getattr(req, "wants_prompt_logprobs", False)
+        use_cache = cache is not None and not req.wants_prompt_logprobs
         match = cache.match_prefix(req.all_token_ids) if use_cache else None
         cached_blocks = list(match.blocks) if match is not None else []
         cached = match.num_tokens if match is not None else 0

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.grading_utils import edit as _edit
+from helpers.grading_utils import prepend
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,10 +30,6 @@ GRADED = ("pair-counts", "merge", "train-merges", "bpe-encode", "tokenizer")
 LIMITS = Limits(call_timeout_s=3, load_timeout_s=6, cpu_s=120, memory_mb=512, notebook_s=40)
 
 
-def _prepend(nb: dict, grade_id: str, code: str) -> None:
-    _edit(nb, grade_id, lambda src: code + "\n" + src)
-
-
 # ---------------------------------------------------------------------------------------------- without Landlock
 
 
@@ -44,7 +40,7 @@ def test_without_landlock_overwritten_tests_are_restored_and_void_the_grade(tmp_
     shutil.copytree(DEFAULT_TESTS_DIR, tests_copy, ignore=shutil.ignore_patterns("__pycache__"))
     original = (tests_copy / "test_lab01.py").read_bytes()
     nb = json.loads(SOLUTION.read_text())
-    _prepend(
+    prepend(
         nb,
         "pair-counts",
         f"open({str(tests_copy / 'test_lab01.py')!r}, 'w').write('def test_x():\\n    pass\\n')",
@@ -61,7 +57,7 @@ def test_a_notebook_that_kills_its_grading_worker_spoils_only_its_own_result(tmp
     """Without bubblewrap and Landlock nothing stops a submission from killing the worker that grades
     it; that notebook gets an internal error, and its neighbour (in a worker of its own) its full score."""
     killer = json.loads(LAB.read_text())
-    _prepend(killer, "pair-counts", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)")
+    prepend(killer, "pair-counts", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)")
     paths = [tmp_path / "killer.ipynb", tmp_path / "solution.ipynb"]
     paths[0].write_text(json.dumps(killer))
     shutil.copy(SOLUTION, paths[1])
@@ -85,7 +81,7 @@ def test_wrong_lab_is_refused_with_the_lab_numbers(tmp_path):
 
 def test_lab_is_detected_from_metadata_and_magics_are_removed(tmp_path):
     nb = json.loads(SOLUTION.read_text())
-    _prepend(nb, "merge", "%time x = 1\n!ls")
+    prepend(nb, "merge", "%time x = 1\n!ls")
     path = tmp_path / "renamed.ipynb"
     path.write_text(json.dumps(nb))
     submission = read_submission(path)

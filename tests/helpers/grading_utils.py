@@ -45,6 +45,11 @@ def edit(nb: dict, grade_id: str, change: Callable[[str], str]) -> None:
     c["source"] = new
 
 
+def prepend(nb: dict, grade_id: str, code: str) -> None:
+    """Put ``code`` before the source of the cell ``grade_id``."""
+    edit(nb, grade_id, lambda src: code + "\n" + src)
+
+
 def sub(nb: dict, grade_id: str, old: str, new: str, count: int = -1) -> None:
     """Replace ``old`` by ``new`` in a cell (the first ``count`` times; all when -1)."""
     edit(nb, grade_id, lambda src: src.replace(old, new, count))

@@ -19,9 +19,9 @@ from helpers.grading_utils import (
     check_blank_lab_scores_zero,
     check_planted_bug_is_caught,
     check_solution_scores_full_marks,
+    prepend,
 )
 from helpers.grading_utils import cell as _cell
-from helpers.grading_utils import edit as _edit
 from helpers.grading_utils import sub as _sub
 
 from autograder.grading.results import SubmissionResult, write_csv, write_gradescope, write_json
@@ -34,10 +34,6 @@ GRADED = ("pair-counts", "merge", "train-merges", "bpe-encode", "tokenizer")
 LIMITS = Limits(call_timeout_s=3, load_timeout_s=6, cpu_s=120, memory_mb=512, notebook_s=40)
 
 # ---------------------------------------------------------------------------------------------- fixtures
-
-
-def _prepend(nb: dict, grade_id: str, code: str) -> None:
-    _edit(nb, grade_id, lambda src: code + "\n" + src)
 
 
 def _stubs(nb: dict, replacement: str) -> None:
@@ -148,13 +144,13 @@ def _tampered(tests_copy: Path) -> dict[str, callable]:
     tok_path = ROOT / "nanolab" / "text" / "tokenizer.py"
 
     def exit_at_import(nb):
-        _prepend(nb, "pair-counts", "import sys\nsys.exit(0)")
+        prepend(nb, "pair-counts", "import sys\nsys.exit(0)")
 
     def os_exit_at_import(nb):
-        _prepend(nb, "pair-counts", "import os\nos._exit(0)")
+        prepend(nb, "pair-counts", "import os\nos._exit(0)")
 
     def loop_at_import(nb):
-        _prepend(nb, "pair-counts", "while True:\n    pass")
+        prepend(nb, "pair-counts", "while True:\n    pass")
 
     def exit_in_call(nb):
         _stubs(nb, "import sys; sys.exit(0)")
@@ -168,7 +164,7 @@ def _tampered(tests_copy: Path) -> dict[str, callable]:
     def kill_grader(nb):
         # Refused where Landlock scopes signals; elsewhere it kills a grading worker, and the grader
         # re-grades the other notebooks that worker held.
-        _prepend(nb, "pair-counts", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)")
+        prepend(nb, "pair-counts", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)")
 
     def loop_in_call(nb):
         _stubs(nb, "while True: pass")
@@ -180,22 +176,22 @@ def _tampered(tests_copy: Path) -> dict[str, callable]:
             _sub(nb, grade_id, STUB, "hog = bytearray(1 << 40)")
 
     def fake_results(nb):
-        _prepend(nb, "pair-counts", FAKE_RESULTS)
+        prepend(nb, "pair-counts", FAKE_RESULTS)
         _stubs(nb, "print('22 passed'); return {'score': 22}")
 
     def patch_everything(nb):
-        _prepend(nb, "pair-counts", PATCH_EVERYTHING)
+        prepend(nb, "pair-counts", PATCH_EVERYTHING)
 
     def always_equal(nb):
         for grade_id in GRADED:
-            _prepend(nb, grade_id, ALWAYS_EQUAL)
+            prepend(nb, grade_id, ALWAYS_EQUAL)
         for grade_id in ("pair-counts", "merge", "bpe-encode"):
             _sub(nb, grade_id, STUB, "return AlwaysEqual()")
         _sub(nb, "train-merges", STUB, "return EqualList()")
         _sub(nb, "tokenizer", STUB, "return EqualList()")
 
     def write_files(nb):
-        _prepend(
+        prepend(
             nb,
             "pair-counts",
             f"""
@@ -212,7 +208,7 @@ for _target in ({str(hidden)!r}, {str(tests_copy / "conftest.py")!r}):
         )
 
     def read_tests(nb):
-        _prepend(nb, "pair-counts", f"HIDDEN = open({str(hidden)!r}).read()")
+        prepend(nb, "pair-counts", f"HIDDEN = open({str(hidden)!r}).read()")
         _stubs(nb, "return HIDDEN.count('assert')")
 
     def reexport_reference(nb):
@@ -381,5 +377,3 @@ def test_json_and_csv_have_one_entry_per_submission(batch, tmp_path):
     assert header[0] == "submission" and "total" in header
     assert len(header) == 2 + len(results[0].tests) + 3 and len(lines) == 4
     assert SubmissionResult.from_dict(results[0].to_dict()).score == results[0].score
-
-

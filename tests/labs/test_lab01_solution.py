@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import ast
 import inspect
-import json
-import sys
 from pathlib import Path
 
-import pytest
 from helpers.grading_utils import solution_namespace
-from helpers.notebook_utils import cell_source, cells_by_id, interface, nbgrader_meta, parameters
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,5 +40,3 @@ def test_lab01_learner_functions_have_the_reference_signatures():
     for attribute in ("vocab_size", "special_tokens", "eos_token_id"):
         assert getattr(tok, attribute) == getattr(reference, attribute), attribute
     assert tuple(tok.merges) == reference.merges
-
-

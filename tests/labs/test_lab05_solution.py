@@ -12,8 +12,10 @@ from helpers.engine_utils import random_plans
 from helpers.grading_utils import solution_namespace
 
 import nanolab
+from autograder.authoring.scheduling.replay import reference_request
+from labkit.lab05 import replay_schedule
 from nanolab.engine.config import EngineConfig
-from nanolab.engine.scheduler import Scheduler, replay_schedule
+from nanolab.engine.scheduler import Scheduler
 from nanolab.memory.block_manager import BlockManager
 from nanolab.model.attention import chunk_mask
 
@@ -63,6 +65,7 @@ def test_lab05_solution_is_the_reference_on_random_inputs():
                 BlockManager(nanolab.PyBlockAllocator(40), 4),
             ),
             events,
+            reference_request,
         )
         config = namespace["SchedulerConfig"](**settings)
         manager = namespace["BlockManager"](namespace["BlockAllocator"](40), 4)

@@ -115,9 +115,6 @@ def test_solution_notebook_runs_top_to_bottom_on_a_real_kernel(source, tmp_path,
     assert all(c.get("outputs", []) == [] for c in json.loads(source.read_text())["cells"])
 
 
-LAB02 = "lab02_attention_kv_cache.ipynb"
-
-
 @pytest.mark.parametrize("source", SOLUTIONS, ids=lambda p: p.name)
 def test_each_setup_cell_is_its_labkit_module(source):
     """A lab's setup code is written once, in ``labkit/labNN.py``: the solution's and the lab's setup cells

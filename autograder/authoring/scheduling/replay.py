@@ -5,10 +5,11 @@ around each (``replay_schedule``), and their records made comparable.
 from __future__ import annotations
 
 from autograder.authoring.testing import Remote, expect
+from labkit.lab04 import replay_schedule  # the notebook's own replay (its setup cell's source)
 from nanolab import PyBlockAllocator
 from nanolab.engine.config import EngineConfig
 from nanolab.engine.request import Request, RequestStatus
-from nanolab.engine.scheduler import Scheduler, replay_schedule
+from nanolab.engine.scheduler import Scheduler
 from nanolab.memory.block_manager import BlockManager
 from nanolab.model.sampling import SamplingParams
 
@@ -71,9 +72,15 @@ def learner_replay(lab, cfg: dict, events: list[tuple]) -> tuple[list, Remote, R
     return records, scheduler, allocator
 
 
+def reference_request(rid: str, prompt_len: int, priority: int, arrival: float) -> Request:
+    """nanolab's `Request` for an "add" event: ``prompt_len`` tokens, greedy."""
+    return Request(rid, [1] * prompt_len, SamplingParams(), priority=priority, arrival_time=arrival)
+
+
 def reference_replay(cfg: dict, events: list[tuple]) -> tuple[list, Scheduler]:
+    """nanolab's Scheduler through the notebook's replay_schedule (run here), with nanolab's requests."""
     scheduler = reference_scheduler(cfg)
-    return replay_schedule(scheduler, events), scheduler
+    return replay_schedule(scheduler, events, reference_request), scheduler
 
 
 def comparable(record: tuple) -> tuple:
@@ -92,7 +99,7 @@ def comparable(record: tuple) -> tuple:
 
 
 class Driver:
-    """nanolab's replay_schedule one event at a time, to build workloads around what the reference does
+    """replay_schedule's engine part one event at a time, around nanolab's Scheduler, to build workloads around what the reference does
     (abort a request while it is waiting, running or preempted)."""
 
     def __init__(self, cfg: dict) -> None:
@@ -103,7 +110,7 @@ class Driver:
     def play(self, event: tuple) -> None:
         if event[0] == "add":
             rid, prompt_len, output_len, priority, arrival = event[1:]
-            req = Request(rid, [1] * prompt_len, SamplingParams(), priority=priority, arrival_time=arrival)
+            req = reference_request(rid, prompt_len, priority, arrival)
             try:
                 self.scheduler.add(req)
             except ValueError:
