@@ -250,6 +250,34 @@ def test_queries_are_the_last_tokens_of_a_longer_sequence(lab, rng):
             )
 
 
+ATTENTION_DTYPES = ((torch.float64, 1e-6), (torch.bfloat16, 5e-2), (torch.float16, 5e-3))
+
+
+def test_attention_keeps_the_dtype_and_leaves_its_inputs_unchanged(lab, rng):
+    """Check that causal_attention returns a tensor of q's dtype (float64, bfloat16, float16) and leaves the q, k
+    and v it is given as they were."""
+    g = tensors(rng)
+    for dtype, tol in ATTENTION_DTYPES:
+        T = rng.randint(2, 9)
+        L = T + rng.choice([0, rng.randint(1, 6)])
+        nkv = rng.choice([1, 2])
+        nh, hs = nkv * rng.choice([1, 2, 4]), rng.choice([4, 8, 16])
+        q_full = torch.randn(L, nh, hs, generator=g).to(dtype)
+        k, v = torch.randn(L, nkv, hs, generator=g).to(dtype), torch.randn(L, nkv, hs, generator=g).to(dtype)
+        q = q_full[-T:].clone()
+        name = str(dtype).removeprefix("torch.")
+        what = f"causal_attention on {name} q {tuple(q.shape)}, k and v {tuple(k.shape)}"
+        held = [lab.hold(x) for x in (q, k, v)]  # the tensors themselves reach the learner's function
+        got = as_tensor(lab.causal_attention(*held), what, (T, nh, hs))
+        assert got.dtype == dtype, f"{what} returned {got.dtype}: the output should have the dtype of q"
+        for label, before, handle in zip("qkv", (q, k, v), held):
+            after = as_tensor(lab.peek(handle), f"the {label} given to causal_attention")
+            assert torch.equal(after, before), (
+                f"{what} changed the {label} it was given; compute into new tensors instead of writing into it"
+            )
+        assert close(got, reference_attention(q_full, k, v)[-T:], tol), f"{what} differs from the reference"
+
+
 # ---------------------------------------------------------------------------------------------- the cache
 
 
@@ -323,13 +351,30 @@ def test_cache_bookkeeping_and_errors(lab, rng):
             lambda bad=bad: lab.ContiguousKVCache(shape, bad),
             f"ContiguousKVCache(config, {bad}) with config.max_seq_len={max_len} should raise ValueError",
         )
+    k_new = as_tensor(cache.k, "cache.k", (2, max_len, 2, 8))
+    assert not bool(k_new.any()) and not bool(as_tensor(cache.v, "cache.v", (2, max_len, 2, 8)).any()), (
+        "a new cache's k and v should be zeros"
+    )
     first = rng.randint(1, max_len - 3)
     cache.prepare(first)
+    assert expect(cache.start, int, "cache.start") == 0, (
+        f"after prepare({first}) on an empty cache, start should be 0"
+    )
+    too_many = max_len - first + 1
     expect_value_error(
-        lambda: cache.prepare(max_len - first + 1),
-        f"prepare({max_len - first + 1}) with {first} of {max_len} tokens cached should raise ValueError",
+        lambda: cache.prepare(too_many),
+        f"prepare({too_many}) with {first} of {max_len} tokens cached should raise ValueError",
     )
     expect_value_error(lambda: cache.prepare(0), "prepare(0) should raise ValueError")
+    assert (cache.length, cache.start) == (first, 0), (
+        f"with {first} of {max_len} tokens cached, a refused prepare({too_many}) or prepare(0) changed length or "
+        "start: check before changing anything, so that a refused call leaves the cache as it was"
+    )
+    positions = as_tensor(cache.prepare(1), "prepare(1)", (1,), floating=False)
+    assert positions.tolist() == [first] and cache.start == first, (
+        f"after a refused prepare, prepare(1) with {first} tokens cached should give position {first} and start "
+        f"{first}"
+    )
     cache.reset()
     assert cache.length == 0, "reset() should empty the cache"
     q, k, v = (
@@ -358,6 +403,10 @@ def test_cache_bookkeeping_and_errors(lab, rng):
     )
     expect_value_error(
         lambda: full.prepare(1), f"prepare(1) on a full cache of {max_len} should raise ValueError"
+    )
+    assert (full.length, full.start) == (max_len, first), (
+        f"a refused prepare(1) on a full cache of {max_len} changed length or start; a refused call should leave "
+        "the cache as it was"
     )
     for dtype_name in ("bfloat16", "float16"):
         small = lab.ContiguousKVCache(shape, max_len, getattr(lab.torch, dtype_name))
@@ -558,6 +607,34 @@ def test_top_k_keeps_the_reference_tokens(lab, rng):
         )
 
 
+def test_filters_work_on_any_leading_shape(lab, rng):
+    """Check that apply_top_k and apply_top_p filter along the last axis of (V,) and (A, B, V) logits as they do
+    row by row."""
+    g = tensors(rng)
+    V = rng.randint(6, 40)
+    k = rng.randint(2, V - 2)
+    for shape in ((V,), (2, 3, V)):
+        logits = 2 * torch.randn(*shape, generator=g)
+        rows = logits.reshape(-1, V)
+        top_p = _gap_top_p(rng, rows[0].softmax(-1)) or 0.5
+        for name, call, params in (
+            ("apply_top_k", lambda x: lab.apply_top_k(x, k), SamplingParams(top_k=k)),
+            ("apply_top_p", lambda x, top_p=top_p: lab.apply_top_p(x, top_p), SamplingParams(top_p=top_p)),
+        ):
+            arg = f"k={k}" if name == "apply_top_k" else f"top_p={top_p}"
+            what = f"{name} on {tuple(shape)} logits, {arg}"
+            got = as_tensor(call(logits), what, shape)
+            want = torch.stack([filter_logits(row[None], [params])[0] for row in rows]).reshape(shape)
+            if not torch.equal(_kept(got), _kept(want)):
+                raise AssertionError(
+                    f"{what} keeps other tokens than filtering each row alone: filter along the last axis "
+                    "(the vocabulary), whatever the leading dimensions"
+                )
+            assert torch.equal(got[_kept(got)], logits[_kept(got)]), (
+                f"{what}: kept logits must keep their values"
+            )
+
+
 def _gap_top_p(rng, probs: torch.Tensor) -> float | None:
     """A top_p at least 1e-4 away from every cumulative sum of the sorted probabilities (None if none is)."""
     cumulative = probs.double().sort(descending=True).values.cumsum(0).tolist()
@@ -746,16 +823,35 @@ def _chi2_limit(df: int, z: float = 4.75) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
+def _nucleus_of_two(rng, g: torch.Generator, V: int) -> tuple[SamplingParams, torch.Tensor]:
+    """Parameters and (1, V) logits whose temperature-scaled probabilities are a, b, then a tail of smaller ones,
+    with a top_p between a and a / (a + b): once, top-p keeps the two most likely tokens; applied again to
+    their renormalised probabilities (a / (a + b) >= top_p), it would keep only the first."""
+    a, b = rng.uniform(0.4, 0.5), rng.uniform(0.25, 0.33)
+    tail = torch.rand(V - 2, generator=g) + 0.5
+    probs = torch.cat([torch.tensor([a, b]), (1 - a - b) * tail / tail.sum()])
+    top_p = round(a + rng.uniform(0.3, 0.7) * (a / (a + b) - a), 4)
+    temperature = round(rng.uniform(0.6, 1.6), 2)
+    logits = (temperature * probs.log())[torch.randperm(V, generator=g)][None]
+    return SamplingParams(temperature=temperature, top_p=top_p), logits
+
+
 @pytest.mark.points(2)
 def test_sampled_tokens_follow_the_filtered_distribution(lab, rng):
     """Check that sample draws only kept tokens, with the probabilities of softmax(filter_logits) (chi-square test)."""
     g = tensors(rng)
     draws = 3000
-    for case in range(3):
+    for case in range(4):
         V = rng.randint(5, 12)
         if case == 0:  # no filter, logits spread evenly: far from uniform on every seed
             logits = torch.linspace(-2.0, 2.0, V)[torch.randperm(V, generator=g)][None]
             params = SamplingParams(temperature=1.0, top_k=None, top_p=1.0)
+        elif case == 1:  # a temperature far from 1: applied twice, it makes another distribution
+            logits = torch.linspace(-2.0, 2.0, V)[torch.randperm(V, generator=g)][None]
+            temperature = rng.choice([round(rng.uniform(0.4, 0.6), 2), round(rng.uniform(1.8, 2.5), 2)])
+            params = SamplingParams(temperature=temperature, top_k=None, top_p=1.0)
+        elif case == 2:  # a nucleus of two tokens that top-p, applied a second time, would cut to one
+            params, logits = _nucleus_of_two(rng, g, V)
         else:
             logits = 1.5 * torch.randn(1, V, generator=g)
             base = SamplingParams(
