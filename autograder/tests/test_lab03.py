@@ -21,6 +21,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from autograder.testing import RemoteError, expect
+from labkit.lab03 import replay  # the notebook's own replay, run here on a reference allocator
 from nanolab import PyBlockAllocator
 from nanolab.memory import paging
 from nanolab.memory.fragmentation import SimRequest, simulate
@@ -35,21 +36,6 @@ SIM_FIELDS = ("owner", "live", "used", "allocated", "external_waste", "first_fai
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-
-
-def replay(allocator, ops: list[tuple[str, object]], record_state: bool = True) -> list[tuple]:
-    """The notebook's ``replay`` (setup cell), run here on a reference allocator."""
-    records = []
-    for name, arg in ops:
-        try:
-            record = ("ok", getattr(allocator, name)(arg))
-        except Exception as e:  # noqa: BLE001 - the error is part of the behaviour being compared
-            record = ("error", type(e).__name__, str(e))
-        if record_state:
-            refs = [allocator.ref_count(b) for b in range(allocator.num_total)]
-            record += (allocator.num_free, allocator.free_list(), refs)
-        records.append(record)
-    return records
 
 
 def behaviour(record) -> tuple:
@@ -584,3 +570,29 @@ def test_grow_that_cannot_be_served_changes_nothing(lab, rng):
     assert manager.grow(second, asked) is True, (
         "after the other sequence released its blocks, the grow should succeed"
     )
+
+
+def test_grow_called_again_before_the_forward_takes_no_more_blocks(lab, rng):
+    """Check that grow called again before the forward (same tokens, fewer, or a table already long enough) takes nothing more."""
+    for _ in range(3):
+        block_size = rng.choice([1, 2, 3, 4, 8])
+        num_blocks = 64
+        allocator = lab.BlockAllocator(num_blocks)
+        manager = lab.BlockManager(allocator, block_size)
+        computed = rng.randint(0, 4 * block_size)
+        seq = sequence(lab, [], 0)
+        assert manager.grow(seq, computed) is True, f"grow(seq, {computed}) on a new pool returned False"
+        seq = sequence(lab, _table(seq), computed)
+        n = block_size - computed % block_size + rng.randint(1, 2 * block_size)  # crosses a block boundary
+        what = f"with blocks of {block_size} and {computed} tokens computed, grow(seq, {n})"
+        assert manager.grow(seq, n) is True, f"{what} returned False with free blocks left"
+        table, free = _table(seq), expect(allocator.num_free, int, "num_free")
+        assert len(table) == paging.cdiv(computed + n, block_size) and free == num_blocks - len(table), (
+            f"{what} left the table with too few or too many blocks for its tokens"
+        )
+        for again in (n, rng.randint(1, n - 1), n):
+            again_what = f"{what} and then grow(seq, {again}) before the forward (num_computed_tokens still {computed})"
+            assert expect(manager.grow(seq, again), bool, again_what) is True, f"{again_what} returned False"
+            assert _table(seq) == table and allocator.num_free == free, (
+                f"{again_what} changed the table or took blocks: the blocks the first call added are room already"
+            )

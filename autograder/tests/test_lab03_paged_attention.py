@@ -401,14 +401,20 @@ def test_fork_shares_blocks_and_a_block_outlives_its_first_holder(lab, rng):
     )
     holder = sequence(lab, [], 0)
     manager.grow(holder, 1)
+    holder_table = table_of(holder)
+    before = (refs_of(lab, allocator), allocator.free_list())
     try:
-        manager.fork(sequence(lab, table_of(holder), 1), holder)
+        manager.fork(sequence(lab, holder_table, 1), holder)
     except RemoteError as e:
         assert e.type_name == "ValueError", (
             f"fork into a sequence that already holds blocks should raise ValueError, not {e.type_name}"
         )
     else:
         raise AssertionError("fork into a sequence that already holds blocks should raise ValueError")
+    assert (refs_of(lab, allocator), allocator.free_list()) == before and table_of(holder) == holder_table, (
+        "a fork into a sequence that holds blocks raised, but changed reference counts or tables first: "
+        "check the child before touching anything"
+    )
 
 
 def _write(lab, manager, cache, table: list[int], computed: int, values: list[float], block_size: int):
@@ -576,6 +582,176 @@ def test_random_fork_grow_write_release_sequences(lab, rng):
     check()
 
 
+def _forked_pair(lab, manager, block_size: int, computed: int, n: int):
+    """A parent with ``computed`` tokens that made room for ``n`` more, then forked: (parent, its table, child)."""
+    parent = sequence(lab, [], 0)
+    assert manager.grow(parent, computed) is True, f"grow(seq, {computed}) on a new pool returned False"
+    parent = sequence(lab, table_of(parent), computed)
+    assert manager.grow(parent, n) is True, "grow failed with free blocks left"
+    table = table_of(parent)
+    child = sequence(lab, [], 0)
+    manager.fork(parent, child)
+    return (
+        parent,
+        table,
+        sequence(lab, table_of(child), computed),
+    )  # remade: only fork's references count here
+
+
+@pytest.mark.points(2)
+def test_copy_on_write_copies_every_shared_block_the_new_tokens_touch(lab, rng):
+    """Check copy_on_write for several new tokens across block boundaries: each shared block they go into is copied, in table order, and no other."""
+    for trial in range(4):
+        block_size = rng.choice([2, 3, 4])
+        num_blocks = 40
+        allocator = lab.BlockAllocator(num_blocks)
+        manager = lab.BlockManager(allocator, block_size)
+        # Half the trials start inside a block, half exactly at a boundary after full blocks.
+        partial = rng.randint(1, block_size - 1) if trial % 2 == 0 else 0
+        computed = rng.randint(0 if partial else 1, 3) * block_size + partial
+        n = block_size - partial + rng.randint(1, 2 * block_size)  # the last new token is past a boundary
+        parent, table, child = _forked_pair(lab, manager, block_size, computed, n)
+        what = (
+            f"with blocks of {block_size}, a sequence with {computed} tokens computed grew for {n} more (table of "
+            f"{len(table)}) and was forked; copy_on_write(child, {n})"
+        )
+        first, end = computed // block_size, cdiv(computed + n, block_size)
+        free_before = allocator.free_list()
+        pairs = expect(manager.copy_on_write(child, n), list, what)
+        olds = []
+        for pair in pairs:
+            expect(pair, (tuple, list), f"each pair of {what}")
+            assert len(pair) == 2, f"{what} returned a pair of {len(pair)} items"
+            olds.append(pair[0])
+        for i in range(first, end):
+            if table[i] not in olds:
+                raise AssertionError(
+                    f"{what} left block {i} of the table shared, although position(s) "
+                    f"{max(computed, i * block_size)}..{min(computed + n, (i + 1) * block_size) - 1} go into it: "
+                    "check every block the new tokens touch, not only one"
+                )
+        for old in olds:
+            assert old in table[first:end], (
+                f"{what} copied block {old}, which none of the new tokens goes into: full blocks stay shared"
+            )
+        assert olds == table[first:end], f"{what} returned its pairs out of table order, or one block twice"
+        news = [pair[1] for pair in pairs]
+        assert len(set(news)) == len(news) and set(news) <= set(free_before), (
+            f"{what}: each copy should be a distinct block that was free"
+        )
+        child_table = table_of(child)
+        assert child_table == table[:first] + news + table[end:], (
+            f"{what}: the child's table should list each copy in the place of the block it replaces"
+        )
+        assert table_of(parent) == table, f"{what} changed the parent's table"
+        assert refs_of(lab, allocator) == holders_of([table, child_table], num_blocks), (
+            f"{what}: a block's reference count differs from the number of tables that list it"
+        )
+        again = expect(manager.copy_on_write(child, n), list, f"{what}, called a second time")
+        assert again == [] and table_of(child) == child_table, (
+            f"{what}, called a second time, copied again: the child's blocks have one holder now"
+        )
+
+
+def test_copy_blocks_copies_every_layer_reading_every_source_first(lab, rng):
+    """Check copy_blocks on a cache of several layers, with a block copied on in the same call: keys and values, sources read first."""
+    g = tensors(rng)
+    n_layers = rng.randint(2, 4)
+    block_size = rng.choice([2, 3, 4])
+    num_blocks = 10
+    cache = lab.PagedKVCache(learner_shape(lab, n_layers, 2, 1, 4), num_blocks, block_size)
+    slots = num_blocks * block_size
+    cache.prepare([lab.SeqSlice(list(range(num_blocks)), 0, slots)])  # one sequence writes every slot
+    for layer in range(n_layers):
+        kv = torch.randn(2, slots, 1, 4, generator=g)
+        cache.attend(layer, torch.randn(slots, 2, 4, generator=g), kv[0], kv[1])
+    before = {
+        name: [t.clone() for t in expect(getattr(cache, name), list, f"cache.{name}")] for name in ("k", "v")
+    }
+    a, b, c, d, e = rng.sample(range(num_blocks), 5)
+    pairs = [(a, b), (b, c), (d, e)]  # b is written by the first pair and read by the second
+    cache.copy_blocks(pairs)
+    moved = {b: a, c: b, e: d}
+    for name in ("k", "v"):
+        pools = expect(getattr(cache, name), list, f"cache.{name}")
+        assert len(pools) == n_layers, f"cache.{name} should hold one tensor per layer"
+        for layer, pool in enumerate(pools):
+            pool = as_tensor(pool, f"cache.{name}[{layer}]", tuple(before[name][layer].shape))
+            old = before[name][layer]
+            for block in range(num_blocks):
+                src = moved.get(block, block)
+                if not torch.equal(pool[block], old[src]):
+                    what = "was changed" if src == block else f"is not what block {src} held before the call"
+                    raise AssertionError(
+                        f"after copy_blocks({pairs}) on a cache of {n_layers} layers, block {block} of "
+                        f"cache.{name}[{layer}] {what}"
+                    )
+
+
+def test_prepare_and_attend_refuse_a_forward_that_does_not_fit(lab, rng):
+    """Check that prepare raises ValueError for a table too short for its new tokens (several, across a block), and attend for a q of the wrong length."""
+    block_size = rng.choice([2, 3, 4])
+    cache = lab.PagedKVCache(learner_shape(lab, 1, 2, 1, 4), 8, block_size)
+    table = rng.sample(range(8), rng.randint(1, 3))
+    capacity = len(table) * block_size
+    start = rng.randint(0, capacity - 1)
+    fits = lab.SeqSlice(table, start, capacity - start)  # fills the table exactly
+    what = f"prepare([SeqSlice({table}, {start}, {capacity - start})]) with blocks of {block_size}"
+    as_tensor(cache.prepare([fits]), what, (capacity - start,), floating=False)
+    start = rng.randint(max(0, capacity - block_size), capacity - 1)  # the first new token fits, the last not
+    n = capacity - start + rng.randint(1, block_size)
+    what = f"prepare([SeqSlice({table}, {start}, {n})]) with blocks of {block_size} (the table holds {capacity} slots)"
+    try:
+        cache.prepare([lab.SeqSlice(table, start, n)])
+    except RemoteError as e:
+        assert e.type_name == "ValueError", f"{what} should raise ValueError, not {e.type_name}"
+    else:
+        raise AssertionError(f"{what} should raise ValueError: its last new tokens have no slot")
+    t = rng.randint(1, capacity)
+    cache.prepare([lab.SeqSlice(table, 0, t)])
+    for wrong in (t + 1, t - 1) if t > 1 else (t + 1,):
+        what = f"attend(0, ...) with {wrong} tokens after a prepare of {t}"
+        try:
+            cache.attend(0, torch.zeros(wrong, 2, 4), torch.zeros(wrong, 1, 4), torch.zeros(wrong, 1, 4))
+        except RemoteError as e:
+            assert e.type_name == "ValueError", f"{what} should raise ValueError, not {e.type_name}"
+        else:
+            raise AssertionError(f"{what} should raise ValueError")
+
+
+def test_cache_keeps_the_dtype_it_is_given(lab, rng):
+    """Check that PagedKVCache keeps the block size, block count and dtype it is given, and attention in float64 keeps its precision."""
+    g = tensors(rng)
+    block_size = rng.choice([2, 4])
+    num_blocks = 6
+    float64 = lab.torch.float64  # the notebook's own torch.float64 (a dtype does not cross as data)
+    cache = lab.PagedKVCache(learner_shape(lab, 2, 4, 2, 8), num_blocks, block_size, float64)
+    made = f"PagedKVCache(<2 layers>, {num_blocks}, {block_size}, torch.float64)"
+    assert expect(cache.block_size, int, f"{made}.block_size") == block_size, (
+        f"{made}.block_size is not the one given"
+    )
+    assert expect(cache.num_blocks, int, f"{made}.num_blocks") == num_blocks, (
+        f"{made}.num_blocks is not the one given"
+    )
+    for name in ("k", "v"):
+        pools = expect(getattr(cache, name), list, f"cache.{name}")
+        for layer, pool in enumerate(pools):
+            pool = as_tensor(pool, f"cache.{name}[{layer}] of a cache made with dtype=torch.float64",
+                             (num_blocks, block_size, 2, 8))  # fmt: skip
+            assert pool.dtype == torch.float64, (
+                f"cache.{name}[{layer}] of a cache made with dtype=torch.float64 is {pool.dtype}"
+            )
+            assert not pool.any(), f"cache.{name}[{layer}] of a new cache should be all zeros"
+    n = rng.randint(2, num_blocks * block_size)
+    table = rng.sample(range(num_blocks), cdiv(n, block_size))
+    cache.prepare([lab.SeqSlice(table, 0, n)])
+    q, k, v = (torch.randn(n, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    out = as_tensor(cache.attend(1, q, k, v), f"attend(1, ...) on a float64 cache ({n} tokens)", (n, 4, 8))
+    assert close(out, dense_causal_attention(q, k, v), tol=1e-10), (
+        f"attend(1, ...) on a float64 cache ({n} tokens, table {table}) lost precision or is wrong"
+    )
+
+
 def test_copy_on_write_without_free_blocks_changes_nothing(lab, rng):
     """Check that copy_on_write returns None and changes nothing when no block is free for the copy."""
     block_size = rng.choice([2, 4])
@@ -598,4 +774,31 @@ def test_copy_on_write_without_free_blocks_changes_nothing(lab, rng):
     pairs = expect(manager.copy_on_write(writer), list, "copy_on_write(...) with a free block")
     assert [tuple(p) for p in pairs] == [(table[0], 1 - table[0])] and table_of(writer) == [1 - table[0]], (
         "with a block free again, copy_on_write should copy the shared block the next token goes into"
+    )
+
+    # Several shared blocks to copy, and one free block too few for them: all or nothing.
+    block_size = rng.choice([2, 3, 4])
+    partial = rng.randint(1, block_size - 1)
+    n = block_size - partial + rng.randint(1, 2 * block_size)  # the new tokens cross into a second block
+    touched = cdiv(partial + n, block_size)
+    num_blocks = 2 * touched + 1
+    allocator = lab.BlockAllocator(num_blocks)
+    manager = lab.BlockManager(allocator, block_size)
+    _, table, child = _forked_pair(lab, manager, block_size, partial, n)
+    spare = expect(allocator.allocate(2), list, "allocate(2)")  # leaves touched - 1 free
+    what = (
+        f"with blocks of {block_size}, {touched} shared blocks to copy for {n} new tokens after {partial} and "
+        f"{touched - 1} free, copy_on_write(child, {n})"
+    )
+    before = (refs_of(lab, allocator), allocator.free_list())
+    assert manager.copy_on_write(child, n) is None, f"{what} should return None: the copies do not all fit"
+    assert table_of(child) == table and (refs_of(lab, allocator), allocator.free_list()) == before, (
+        f"{what} returned None but changed the table, the counts or the free list: check first, then copy"
+    )
+    allocator.free(spare[:1])
+    what = f"with blocks of {block_size}, {touched} shared blocks to copy and exactly {touched} free, copy_on_write(child, {n})"
+    pairs = manager.copy_on_write(child, n)
+    assert pairs is not None, f"{what} returned None although there is a free block for every copy"
+    assert len(expect(pairs, list, what)) == touched, (
+        f"{what} did not copy every shared block the tokens go into"
     )
