@@ -492,6 +492,18 @@ def test_waiting_order_returns_a_new_list_and_refuses_unknown_policies(lab, rng)
     assert problem is None, (
         f"waiting_order(..., 'priority', ..., aging_steps=0) should raise ValueError ({problem})"
     )
+    mine, theirs = twins(lab, rng, specs)
+    for policy in ("fcfs", "shortest"):  # aging_steps is read by "priority" only
+        try:
+            got = order_of(lab.waiting_order(mine, policy, now, 0), f"waiting_order(..., {policy!r}, ...)")
+        except RemoteError as e:
+            raise AssertionError(
+                f"waiting_order(..., {policy!r}, ..., aging_steps=0) raised {e.type_name}: only 'priority' uses "
+                "aging_steps, so only 'priority' refuses a value below 1"
+            ) from None
+        assert got == [r.request_id for r in waiting_order(theirs, policy, now, 0)], (
+            f"waiting_order(..., {policy!r}, ..., aging_steps=0) is not the policy's order: fcfs and shortest do not depend on aging_steps"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- victim

@@ -3,7 +3,7 @@
 edge cases driven through its handle, its speed, and the cache inside nanolab's engine.
 
 Sequences of operations are played around a cache by ``replay_cache`` (the notebook's copy in the sandbox;
-here the same code runs around nanolab's `RadixCache`): one call brings back, for every operation, its
+here `labkit.lab06`'s, the setup cell's source, runs around nanolab's `RadixCache`): one call brings back, for every operation, its
 result, the cache's three sizes and the allocator's free blocks. A notebook's setup cell can be edited, so
 after every replay the learner's cache and allocator are read back through their handles (sizes, every
 block's reference count, the stats) and compared with nanolab's. In the engine, the models run here and
@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 import nanolab
 from autograder.testing import RemoteError, bundled_model, expect, expect_value_error, stdlib_text
+from labkit.lab06 import replay_cache  # the notebook's own replay, run here around nanolab's cache
 from nanolab import PyBlockAllocator
 from nanolab.memory.prefix_cache import MatchResult, reusable_prefix
 from nanolab.memory.radix_cache import RadixCache
@@ -60,9 +61,11 @@ def test_reusable_prefix_matches_the_reference(lab, rng):
             + (" (more than the prompt minus one token)" if got > len(prompt) - 1 else "")
             + (" (not a whole number of blocks)" if got % bs else "")
         )
-    expect_value_error(
-        lambda: lab.reusable_prefix([1], [1], 0), "reusable_prefix with block_size 0 should raise ValueError"
-    )
+    for bad in (0, -rng.randint(1, 8)):
+        expect_value_error(
+            lambda bad=bad: lab.reusable_prefix([1], [1], bad),
+            f"reusable_prefix with block_size {bad} should raise ValueError",
+        )
 
 
 def _common(a, b) -> int:
@@ -139,46 +142,8 @@ def _replay_both(lab, ops: list[tuple], bs: int, nb: int):
     mine = expect(lab.replay_cache(cache, ops), list, "replay_cache(RadixCache(...), ops)")
     assert len(mine) == len(ops), "replay_cache should return one record per operation"
     reference = RadixCache(PyBlockAllocator(nb), bs)
-    theirs = lab_free_replay(reference, ops)
+    theirs = replay_cache(reference, ops)
     return mine, theirs, cache, allocator, reference
-
-
-def lab_free_replay(cache, ops):
-    """The notebook's replay_cache, run here around nanolab's cache (the same code as the setup cell's)."""
-    allocator, bs = cache.allocator, cache.block_size
-    live: dict = {}
-    records = []
-    for op in ops:
-        try:
-            if op[0] == "request":
-                _, name, tokens = op
-                m = cache.match_prefix(tokens)
-                cache.lock(m.node)
-                allocator.incref(m.blocks)
-                need = -(-len(tokens) // bs) - len(m.blocks)
-                if need > allocator.num_free:
-                    cache.evict(need - allocator.num_free)
-                if need > allocator.num_free:
-                    allocator.free(m.blocks)
-                    cache.unlock(m.node)
-                    record: tuple = ("refused",)
-                else:
-                    cache.record(len(tokens), m.num_tokens)
-                    live[name] = (list(tokens), list(m.blocks) + allocator.allocate(need), m.node)
-                    record = ("request", list(m.blocks), m.num_tokens)
-            elif op[0] == "finish":
-                tokens, table, node = live.pop(op[1])
-                whole = len(tokens) // bs
-                record = ("finish", cache.insert(tokens, table[:whole]))
-                allocator.free(table)
-                cache.unlock(node)
-            else:
-                record = ("evict", cache.evict(op[1]))
-            record += (cache.total_size, cache.evictable_size, cache.protected_size, allocator.num_free)
-        except Exception as e:
-            record = ("error", type(e).__name__, str(e))
-        records.append(record)
-    return records
 
 
 def check_cache_state(cache, allocator, reference: RadixCache, nb: int, label: str) -> None:
@@ -194,6 +159,10 @@ def check_cache_state(cache, allocator, reference: RadixCache, nb: int, label: s
     assert refs == want, (
         f"{where} allocator's reference counts differ from nanolab's (blocks {[b for b in range(nb) if refs[b] != want[b]][:8]}): "
         "the tree holds one reference per block it stores, taken by insert on the new part only"
+    )
+    assert expect(cache.root.lock_ref, int, "RadixCache.root.lock_ref") == reference.root.lock_ref, (
+        f"{where} root's lock_ref differs from nanolab's: every lock counts on the root, and every unlock takes it "
+        "back there too"
     )
     stats = cache.stats()
     got = (stats.num_requests, stats.prompt_tokens, stats.cached_tokens)
@@ -369,6 +338,99 @@ def test_a_node_used_through_a_descendant_is_recent(lab, rng):
     )
 
 
+def _path_locks(node, what: str) -> list[int]:
+    """``lock_ref`` of ``node`` and of every node above it, up to the root, read through the handle."""
+    locks = []
+    while node is not None and len(locks) < 64:
+        locks.append(expect(node.lock_ref, int, f"lock_ref of a node on the path of {what}"))
+        node = node.parent
+    return locks
+
+
+@pytest.mark.points(2)
+def test_lock_and_unlock_count_on_every_node_up_to_the_root(lab, rng):
+    """Check, through the nodes' handles, that lock and unlock change lock_ref on the node and on every node above it, the root included, for paths that share nodes, a node locked twice, an empty match (the root) and a split under locks; and that unlock of an unlocked node changes nothing."""
+    bs = rng.choice([1, 2, 4])
+    depth = rng.randint(3, 5)
+    lengths = [0]  # in blocks: each insert extends the last leaf, so the tree is a chain of `depth` nodes
+    for _ in range(depth):
+        lengths.append(lengths[-1] + rng.randint(2, 4))
+    lengths = lengths[1:]
+    base = [rng.randint(1, 3) for _ in range(lengths[-1] * bs)]
+    side = base[: lengths[0] * bs] + [9] * (2 * bs)  # a branch below the chain's first node
+    label = f"block_size {bs}, a chain of {depth} nodes with a branch below its first node"
+    cache, allocator = _fresh(lab, 256, bs)
+    reference = RadixCache(PyBlockAllocator(256), bs)
+    for tokens in [base[: n * bs] for n in lengths] + [side]:
+        _insert(lab, cache, allocator, tokens, bs)
+        blocks = reference.allocator.allocate(len(tokens) // bs)
+        reference.insert(tokens, blocks)
+        reference.allocator.free(blocks)
+    prompts = {
+        "the whole chain": base + [0],
+        "the whole chain, again": base + [0],
+        f"the chain's first {lengths[1]} blocks": base[: lengths[1] * bs] + [0],
+        "the branch": side + [0],
+        "a prompt sharing nothing": [0] * (2 * bs),
+    }
+    names = list(prompts)
+    rng.shuffle(names)
+    held: dict[str, tuple] = {}
+    done: list[str] = []
+
+    def check(event: str) -> None:
+        for name, (mine, theirs) in held.items():
+            got, want = _path_locks(mine, name), _path_locks(theirs, name)
+            if len(got) != len(want):
+                raise AssertionError(
+                    f"{label}: after {event}, the match of {name} is {len(got) - 1} nodes below the root (by its parent "
+                    "links): a match ends at a node of the tree, and a split hangs the lower part below the new node"
+                )
+            for level, (a, b) in enumerate(zip(got, want)):
+                if a != b:
+                    where = "the root" if level == len(got) - 1 else f"{level} node(s) above the match's node"
+                    where = "the match's node" if level == 0 else where
+                    raise AssertionError(
+                        f"{label}: after {event}, on the path of the match of {name}, {where} has lock_ref {a}: "
+                        "lock_ref counts the locks held on a node or below it, so lock and unlock change it on the "
+                        "node and on every node above it, the root included"
+                    )
+
+    for name in names:
+        _, _, node = _match(cache, prompts[name])
+        theirs = reference.match_prefix(prompts[name]).node
+        cache.lock(node)
+        reference.lock(theirs)
+        held[name] = (node, theirs)
+        done.append(f"locking the match of {name}")
+        check(", then ".join(done))
+    # a match that ends inside the locked chain splits an edge: the new node is covered by the same locks
+    cut = base[: rng.randint(lengths[1] + 1, lengths[2] - 1) * bs] + [0]
+    _match(cache, cut)
+    reference.match_prefix(cut)
+    done.append("a match that splits the locked chain")
+    check(", then ".join(done))
+    rng.shuffle(names)
+    for name in names:
+        mine, theirs = held[name]
+        cache.unlock(mine)
+        reference.unlock(theirs)
+        done.append(f"unlocking the match of {name}")
+        check(", then ".join(done))
+    assert expect(cache.root.lock_ref, int, "the root's lock_ref") == 0, (
+        f"{label}: after unlocking every lock, the root is still counted as locked (or below zero)"
+    )
+    assert cache.protected_size == 0, (
+        f"{label}: after unlocking every lock, some cached tokens are still protected"
+    )
+    mine, theirs = held[names[0]]
+    expect_value_error(
+        lambda: cache.unlock(mine),
+        f"{label}: unlock of a node that is no longer locked should raise ValueError",
+    )
+    check(", then ".join(done) + ", then a refused unlock")
+
+
 # ---------------------------------------------------------------------------------------------- speed
 
 
@@ -401,7 +463,7 @@ def test_cache_speed_is_within_budget(lab, rng):
     for _ in range(3):
         reference = RadixCache(PyBlockAllocator(nb), bs)
         start = time.thread_time()
-        want = lab_free_replay(reference, ops)
+        want = replay_cache(reference, ops)
         timings.append(time.thread_time() - start)
     budget = 20 * min(timings) + 0.5
     cache, allocator = _fresh(lab, nb, bs)
