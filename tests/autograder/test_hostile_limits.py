@@ -105,20 +105,20 @@ def test_a_watchdog_stops_a_hung_worker_and_keeps_the_verdicts_decided(tmp_path,
     extra = tmp_path / "extra"
     extra.mkdir()
     (extra / "test_lab01_hang.py").write_text(HANGING_TESTS)
-    limits = Limits(call_timeout_s=10, load_timeout_s=30, watchdog=20)
+    limits = Limits(call_timeout_s=10, load_timeout_s=30, watchdog=45)  # room for every built-in test
     options = GradeOptions(tests_dir=DEFAULT_TESTS_DIR, extra_tests_dir=extra, limits=limits)
     start = time.monotonic()
     solution, blank = grade([SOLUTION, LAB], options, jobs=2, progress=False)
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 100
     status = {t.id: (t.status, t.output) for t in solution.tests}
     builtin = [i for i in status if not i.startswith("extra/")]
     assert builtin and all(status[i][0] == "passed" for i in builtin), status
     assert status["extra/test_a_passes"][0] == "passed"
     for hung in ("extra/test_b_hangs", "extra/test_c_after"):
-        assert status[hung][0] == "failed" and "stopped after 20 s" in status[hung][1], status[hung]
+        assert status[hung][0] == "failed" and "stopped after 45 s" in status[hung][1], status[hung]
     builtin_points = sum(t.max_score for t in solution.tests if not t.id.startswith("extra/"))
     assert solution.score == builtin_points + 1  # every built-in point, and test_a_passes' one
-    assert any("stopped after 20 s" in m for m in solution.messages)
+    assert any("stopped after 45 s" in m for m in solution.messages)
     assert blank.score == 0 and len(blank.tests) == len(solution.tests)
     assert not list(private_tmp.iterdir()), "the stopped worker's directories were left behind"
 
