@@ -144,13 +144,13 @@ def test_a_mutant_counts_as_caught_only_when_it_loses_points_on_every_seed():
 
 
 def test_the_script_measures_two_mutants_for_real(tmp_path):
-    """scripts/mutants.py on Lab 1's off-by-one merge (caught everywhere) and its too-slow training (caught only
-    by the hidden speed budget): both kill rates are computed from real runs, and a visible rate of 50% is
+    """scripts/mutants.py on Lab 1's off-by-one merge (caught everywhere) and an encode memo shared by every
+    tokenizer (caught by the hidden tests only, since no check cell makes two tokenizers): both kill rates are computed from real runs, and a visible rate of 50% is
     under its target, so the script exits 1."""
     report = tmp_path / "report.json"
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "mutants.py"), "--lab", "1", "--seeds", "7", "--jobs", "2"]
-        + ["--only", "merge-last-pair,tm-every-occurrence", "--json", str(report)],
+        + ["--only", "merge-last-pair,tok-memo-shared", "--json", str(report)],
         capture_output=True,
         text=True,
         cwd=tmp_path,
@@ -166,10 +166,8 @@ def test_the_script_measures_two_mutants_for_real(tmp_path):
         "test_merge_replaces_every_occurrence_left_to_right"
         in verdicts["merge-last-pair"]["hidden"]["tests_every_seed"]
     )
-    assert verdicts["tm-every-occurrence"]["visible"]["caught"] is False
-    assert verdicts["tm-every-occurrence"]["hidden"]["tests_every_seed"] == [
-        "test_training_speed_is_within_budget"
-    ]
+    assert verdicts["tok-memo-shared"]["visible"]["caught"] is False  # no check cell makes two tokenizers
+    assert "test_encode_agrees_with_tiktoken" in verdicts["tok-memo-shared"]["hidden"]["tests_every_seed"]
     assert data["rates"] == {"hidden": 1.0, "visible": 0.5}
     assert data["solution"]["visible"]["failed"] == {} and data["solution"]["hidden"]["status"] == "survived"
     assert "BELOW TARGET" in out.stdout and "merge-last-pair" in out.stdout
