@@ -6,8 +6,8 @@ of them share (imported as ``helpers.<module>``).
 
 Markers (registered in ``pyproject.toml``): ``sandbox`` for every test that grades a notebook or starts
 the grader's sandbox, ``browser`` for the JupyterLab browser test, ``slow`` for tests that take more than
-a few seconds each: every ``sandbox`` and ``browser`` test, a notebook run top to bottom, and any test
-marked so itself. ``pytest tests -m "not slow"`` is a fast inner loop; ``make test`` runs all.
+a few seconds each: every ``sandbox`` and ``browser`` test, and any test marked so itself (a notebook run
+top to bottom). ``pytest tests -m "not slow"`` is a fast inner loop; ``make test`` runs all.
 """
 
 from __future__ import annotations
@@ -33,12 +33,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.sandbox)
         if path.name == "test_browser.py":
             item.add_marker(pytest.mark.browser)
-        if item.get_closest_marker("sandbox") or item.get_closest_marker("browser") or _runs_a_notebook(item):
+        if item.get_closest_marker("sandbox") or item.get_closest_marker("browser"):
             item.add_marker(pytest.mark.slow)
-
-
-def _runs_a_notebook(item: pytest.Item) -> bool:
-    return (
-        getattr(item, "originalname", item.name)
-        == "test_solution_notebook_runs_top_to_bottom_on_a_real_kernel"
-    )

@@ -102,6 +102,7 @@ def test_check_notebooks_reports_bad_nbgrader_metadata(tmp_path):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", SOLUTIONS, ids=lambda p: p.name)
 def test_solution_notebook_runs_top_to_bottom_on_a_real_kernel(source, tmp_path, monkeypatch):
     monkeypatch.setattr(run_solutions, "OUT", tmp_path)
