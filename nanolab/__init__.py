@@ -22,8 +22,8 @@ _LAZY = {
     "LLM": "nanolab.engine.llm",
     "SamplingParams": "nanolab.model.sampling",
     "TokenLogprob": "nanolab.model.sampling",
-    "RequestOutput": "nanolab.engine.request",
-    "CompletionOutput": "nanolab.engine.request",
+    "RequestOutput": "nanolab.engine.outputs",
+    "CompletionOutput": "nanolab.engine.outputs",
     "Engine": "nanolab.engine.engine",
     "EngineConfig": "nanolab.engine.config",
     "Tokenizer": "nanolab.text.tokenizer",
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from nanolab.engine.config import EngineConfig
     from nanolab.engine.engine import Engine
     from nanolab.engine.llm import LLM
-    from nanolab.engine.request import CompletionOutput, RequestOutput
+    from nanolab.engine.outputs import CompletionOutput, RequestOutput
     from nanolab.engine.scheduler import SchedulerProtocol
     from nanolab.memory.prefix_cache import PrefixCacheProtocol
     from nanolab.memory.radix_cache import RadixCache

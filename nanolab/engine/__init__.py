@@ -1,10 +1,12 @@
-"""The engine: which requests run, and one step that runs them all (Labs 4 and 5; Lab 7 to come).
+"""The engine: which requests run, and one step that runs them all (Labs 4, 5 and 7).
 
-`config` (`EngineConfig`, every engine setting in one place), `request` (the request state machine and
-its outputs), `prompt` (a prompt normalised, tokenized and checked, once), `batching` (static and continuous
+`config` (`EngineConfig`, every engine setting in one place), `request` (a request and its state
+machine), `prompt` (a prompt normalised, tokenized and checked, once), `batching` (static and continuous
 batching simulated on a clock of steps), `chunking` (a step's token budget shared between decodes and
 prompt chunks, on the same clock), `scheduler` (token budget, seats, policies, chunked prefill,
-preemption), `engine` (the continuous-batching step loop and what it publishes to observers), `chat` (a
-conversation rendered and tokenized: the prompt of `LLM.chat` and of the server's chat endpoint), `llm`
-(`LLM`: offline generation in vLLM's shape).
+preemption), `model_runner` (a step's batch laid out, one forward, sampling), `detokenizer` (text from a
+growing token list), `stopping` (the stop rules), `output_processor` (text, stop rules and outputs per
+request), `outputs` (the output values), `parallel` (n samples of one prompt), `engine` (the step: five
+calls), `stats` (what observers see), `chat` (a conversation rendered and tokenized: the prompt of
+`LLM.chat` and of the server's chat endpoint), `llm` (`LLM`: offline generation in vLLM's shape).
 """

@@ -17,8 +17,8 @@ from typing import Any
 from nanolab.engine.chat import as_conversations, chat_prompt
 from nanolab.engine.config import EngineConfig
 from nanolab.engine.engine import Engine
+from nanolab.engine.outputs import RequestOutput
 from nanolab.engine.prompt import Prompt
-from nanolab.engine.request import RequestOutput
 from nanolab.engine.stats import EngineStats, StepListener
 from nanolab.model.sampling import SamplingParams
 from nanolab.text.chat_template import ChatTemplate

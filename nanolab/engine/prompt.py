@@ -29,6 +29,36 @@ class PromptError(ValueError):
         self.index = index
 
 
+class SamplingParamsError(ValueError):
+    """Sampling parameters this engine cannot run; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_sampling_params(sp: SamplingParams, vocab_size: int, max_num_seqs: int, scheduler: Any) -> None:
+    """What `SamplingParams` cannot check alone: token ids in the vocabulary, seats for n samples and a
+    scheduler that forks them. Raises `SamplingParamsError`."""
+    bad = [t for t in sp.logit_bias or () if t >= vocab_size]
+    if bad:
+        raise SamplingParamsError(
+            f"logit_bias names token id {bad[0]} but the vocabulary has {vocab_size} tokens", "logit_bias"
+        )
+    if sp.n > max_num_seqs:
+        raise SamplingParamsError(
+            f"n={sp.n} samples cannot run at once: at most max_num_seqs={max_num_seqs} "
+            "sequences run together (nanolab serve --max-num-seqs, or EngineConfig(max_num_seqs=...))",
+            "n",
+        )
+    if sp.n > 1 and not callable(getattr(scheduler, "fork", None)):
+        raise SamplingParamsError(
+            f"n={sp.n} needs a scheduler with a fork(parent, child) method; "
+            f"{type(scheduler).__name__} has none",
+            "n",
+        )
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -141,3 +171,13 @@ class PromptProcessor:
                 f"the request needs up to {need} KV blocks ({P} prompt + {M} output tokens) but the pool has "
                 f"only {cfg.num_blocks}; raise num_blocks or lower max_tokens"
             )
+
+
+def one_each(value: Any, n: int, what: str, kind: type) -> list:
+    """``value`` for each of n prompts: one for all (an instance of ``kind``), or a sequence of n."""
+    if isinstance(value, kind) and not isinstance(value, bool):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"got {n} prompts but {len(values)} {what}; give one for all or one each")
+    return values

@@ -239,6 +239,10 @@ class Scheduler:
 
     # -- the step -----------------------------------------------------------------------------------
 
+    def admits_new_requests(self) -> bool:
+        """Whether waiting requests may join the batch in this step: always, in continuous batching."""
+        return True
+
     def schedule(self) -> SchedulerOutput:
         self.step_count += 1
         cfg = self.config
@@ -262,7 +266,8 @@ class Scheduler:
         # 3. waiting requests, in policy order.
         self.waiting = waiting_order(self.waiting, cfg.scheduling_policy, self.step_count, cfg.aging_steps)
         seats = len(self.running) + sum(r.samples_to_fork for r in self.running)  # forks to come included
-        while self.waiting and budget > 0 and seats < cfg.max_num_seqs:
+        admitting = self.admits_new_requests()
+        while admitting and self.waiting and budget > 0 and seats < cfg.max_num_seqs:
             req = self.waiting[0]
             if seats + 1 + req.samples_to_fork > cfg.max_num_seqs:
                 break  # its samples need more seats than are free: it waits for them
@@ -281,3 +286,16 @@ class Scheduler:
             budget -= num_new
 
         return out
+
+
+class StaticBatchScheduler(Scheduler):
+    """Static batching on the same parts, the baseline continuous batching is measured against.
+
+    A batch forms only when the previous one is done: waiting requests join in a step that starts with
+    no request running, and none joins while any of that batch still runs. A request that finishes early
+    leaves its seat empty, so the batch waits for its longest request (it returns early, rather than as
+    padding, but no other request uses its seat). Budget, blocks and preemption are the `Scheduler`'s.
+    """
+
+    def admits_new_requests(self) -> bool:
+        return not self.running

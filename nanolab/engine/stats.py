@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 class StepRecord(NamedTuple):  # a NamedTuple: one is built every step
@@ -61,3 +61,51 @@ class EngineStats:
     def forward_fraction(self) -> float:
         """Share of the step time spent in the model forward."""
         return self.forward_seconds / self.busy_seconds if self.busy_seconds else 0.0
+
+
+@dataclass
+class StepCounters:
+    """The engine's running totals behind `EngineStats` (the engine adds to them, observers read snapshots)."""
+
+    steps: int = 0
+    scheduled_seqs: int = 0
+    batched_tokens: int = 0
+    generated_tokens: int = 0
+    finished_requests: int = 0
+    busy_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    peak_kv_usage: float = 0.0
+
+    def add(self, record: StepRecord, kv_usage: float) -> None:
+        self.steps += 1
+        self.scheduled_seqs += record.num_seqs
+        self.batched_tokens += record.num_tokens
+        self.generated_tokens += record.num_generated
+        self.forward_seconds += record.forward_seconds
+        self.busy_seconds += record.step_seconds
+        self.peak_kv_usage = max(self.peak_kv_usage, kv_usage)
+
+    def snapshot(
+        self, num_running: int, num_waiting: int, preemptions: int, block_manager: Any
+    ) -> EngineStats:
+        """These totals with the engine's state now: an `EngineStats`."""
+        allocator, cache = block_manager.allocator, block_manager.prefix_cache
+        prefix = cache.stats() if cache is not None else None
+        return EngineStats(
+            steps=self.steps,
+            generated_tokens=self.generated_tokens,
+            batched_tokens=self.batched_tokens,
+            finished_requests=self.finished_requests,
+            busy_seconds=self.busy_seconds,
+            forward_seconds=self.forward_seconds,
+            mean_batch_size=self.scheduled_seqs / self.steps if self.steps else 0.0,
+            peak_kv_block_usage=self.peak_kv_usage,
+            preemptions=preemptions,
+            num_running=num_running,
+            num_waiting=num_waiting,
+            kv_blocks_total=allocator.num_total,
+            kv_blocks_free=allocator.num_free,
+            kv_blocks_cached=cache.total_size // block_manager.block_size if cache is not None else 0,
+            prefix_hit_rate=prefix.hit_rate if prefix is not None else 0.0,
+            prefix_cached_tokens=prefix.cached_tokens if prefix is not None else 0,
+        )

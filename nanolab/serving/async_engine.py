@@ -49,8 +49,9 @@ from typing import Any
 
 from nanolab.engine.config import EngineConfig
 from nanolab.engine.engine import Engine, EngineStepError
+from nanolab.engine.outputs import RequestOutput
 from nanolab.engine.prompt import Prompt
-from nanolab.engine.request import FinishReason, RequestOutput
+from nanolab.engine.request import FinishReason
 from nanolab.model.sampling import SamplingParams
 from nanolab.serving.metrics import ServerMetrics
 

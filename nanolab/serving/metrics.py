@@ -35,7 +35,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from nanolab.engine.request import RequestOutput
+    from nanolab.engine.outputs import RequestOutput
     from nanolab.engine.stats import EngineStats, StepRecord
 
 __all__ = ["BATCH_BUCKETS", "CONTENT_TYPE", "LATENCY_BUCKETS", "ServerMetrics", "WithoutCreated"]

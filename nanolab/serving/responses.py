@@ -23,7 +23,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from nanolab.engine.request import CompletionOutput, RequestOutput
+from nanolab.engine.outputs import CompletionOutput, RequestOutput
 from nanolab.model.sampling import TokenLogprob
 from nanolab.serving import chat_protocol as chat
 from nanolab.serving import openai_protocol as oa

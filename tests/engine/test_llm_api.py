@@ -94,8 +94,8 @@ def test_eos_finishes_unless_ignored(llm):
     probe = llm.generate("import", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     eos = probe[3]
     engine = llm.engine
-    saved = engine.eos_token_id
-    engine.eos_token_id = eos
+    saved = engine.outputs.eos_token_ids
+    engine.outputs.eos_token_ids = frozenset({eos})
     try:
         out = llm.generate("import", SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
         assert out.outputs[0].finish_reason == "stop"
@@ -103,7 +103,7 @@ def test_eos_finishes_unless_ignored(llm):
         ignored = llm.generate("import", GREEDY, use_tqdm=False)[0]
         assert ignored.outputs[0].token_ids == probe
     finally:
-        engine.eos_token_id = saved
+        engine.outputs.eos_token_ids = saved
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(llm):

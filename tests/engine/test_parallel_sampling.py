@@ -28,7 +28,7 @@ def sampled(max_tokens: int, seed: int | None = 11, n: int = 1, **kw) -> Samplin
 def blocks_all_back(llm: LLM) -> bool:
     s = llm.stats()
     engine = llm.engine  # nothing left behind in the engine's or the scheduler's bookkeeping either
-    forgotten = not engine.requests and not engine.groups and not engine._special
+    forgotten = not (engine.requests or engine.groups or engine._with_extras or len(engine.outputs))
     return s.kv_blocks_free + s.kv_blocks_cached == s.kv_blocks_total and forgotten
 
 

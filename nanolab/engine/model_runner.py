@@ -1,0 +1,177 @@
+"""The model's side of a step: lay out the batch, run one forward for all of it, sample.
+
+`layout_batch` turns the scheduler's choice (which requests, how many new tokens each) into one flat
+batch: every request's new tokens side by side, the position of each, the slice of the paged KV cache
+each sequence writes and reads, and the rows whose logits are sampled. Decode tokens and prompt chunks
+of any length share the forward: continuous batching runs different requests at different stages in the
+same model call, it does not take turns between them.
+
+`ModelRunner.run` then copies the blocks the scheduler asked to copy (copy-on-write), runs the forward,
+records prompt log-probabilities for the requests that want them, marks the tokens computed, forks the
+parallel-sampling requests whose prompt is done, and samples one token for every request whose tokens are
+all computed. Requests that need only that one token ("plain": ``n == 1``, no logprobs, no logit bias
+or penalties) take a fast path that skips every other check.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from nanolab.engine.request import Request
+from nanolab.memory.paged_kv_cache import PagedKVCache, SeqSlice
+from nanolab.model.sampling import SamplingParams, adjust_logits, sample, token_logprobs
+from nanolab.model.transformer import Transformer
+
+
+@dataclass
+class BatchLayout:
+    """One step's batch, flattened: row ``i`` of the forward is ``token_ids[i]`` at ``positions[i]``."""
+
+    scheduled: list[tuple[Request, int]]  # (request, new tokens) in batch order
+    token_ids: list[int]
+    positions: list[int]
+    seqs: list[SeqSlice]  # per sequence: its block table, first new position, new tokens
+    sample_rows: list[int]  # the row whose logits each request of `to_sample` samples from
+    to_sample: list[Request]  # requests whose every token is computed once this step is done
+    prefilled: list[bool] = field(default_factory=list)  # per `to_sample`: this step ended its prompt
+
+    @property
+    def requests(self) -> list[Request]:
+        return [r for r, _ in self.scheduled]
+
+
+def layout_batch(scheduled: Sequence[tuple[Request, int]]) -> BatchLayout:
+    """Lay out one step: the flat token ids and positions, each sequence's slice of the KV cache, and
+    which rows are sampled.
+
+    ``scheduled`` pairs each request with the number of its tokens to compute now, starting at its
+    ``num_computed_tokens``: a prompt chunk, a whole prompt, or 1 for a decode. The batch puts the
+    one-token entries first (the paged cache runs them as one decode group), otherwise keeping the
+    scheduler's order. A request's token at index p of its prompt + output sits at position p, so a
+    decode token sits at ``num_prompt_tokens + len(output_token_ids) - 1``. A request samples (from its
+    last row) only when this step computes its last token; a prompt chunk that leaves some of the prompt
+    for later samples nothing. Requests are only read.
+
+    Example:
+        >>> from nanolab import SamplingParams
+        >>> a = Request("a", [5, 6, 7, 8], SamplingParams()); a.num_computed_tokens = 1
+        >>> b = Request("b", [9], SamplingParams()); b.output_token_ids = [3]; b.num_computed_tokens = 1
+        >>> lay = layout_batch([(a, 2), (b, 1)])
+        >>> lay.token_ids, lay.positions, lay.sample_rows, [r.request_id for r in lay.to_sample]
+        ([3, 6, 7], [1, 1, 2], [0], ['b'])
+    """
+    batch = sorted(scheduled, key=lambda s: s[1] != 1)  # stable: one-token entries first
+    lay = BatchLayout(list(batch), [], [], [], [], [])
+    for r, n in batch:
+        start = r.num_computed_tokens
+        lay.seqs.append(SeqSlice(r.block_table, start, n))
+        lay.token_ids += r.token_slice(start, start + n)
+        lay.positions += range(start, start + n)
+        if start + n == r.num_tokens:  # every token is computed: sample from the last row
+            lay.sample_rows.append(len(lay.token_ids) - 1)
+            lay.to_sample.append(r)
+            lay.prefilled.append(n > 1)  # this step computed (the end of) a prompt, not a decode
+    return lay
+
+
+def needs_extras(p: SamplingParams) -> bool:
+    """Whether a request needs more of a step than one sampled token: n > 1 samples, logprobs of its
+    tokens or of its prompt, logit bias or penalties."""
+    return p.n > 1 or p.logprobs is not None or p.prompt_logprobs is not None or p.adjusts_logits
+
+
+class ModelRunner:
+    """Runs a laid-out batch through the model over the paged KV cache and samples its next tokens."""
+
+    def __init__(self, model: Transformer, kv_cache: PagedKVCache) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.forward_seconds = 0.0  # the model's share of the last `run`
+
+    @torch.inference_mode()
+    def run(
+        self,
+        batch: BatchLayout,
+        blocks_to_copy: Sequence[tuple[int, int]] = (),
+        extras: bool = True,
+        fork: Callable[[Request], list[Request]] | None = None,
+    ) -> list[int]:
+        """One forward for ``batch``; returns the token sampled for each request of ``batch.to_sample``,
+        which grows by the samples ``fork`` makes (called for each request that has samples to fork).
+
+        Every scheduled request's ``num_computed_tokens`` moves past the tokens this step computed. With
+        ``extras`` False (no request about needs more than one sampled token), logprobs, prompt logprobs,
+        logit adjustment and forking are all skipped.
+        """
+        t0 = time.perf_counter()
+        if blocks_to_copy:  # copy-on-write (parallel samples), before any write
+            self.kv_cache.copy_blocks(blocks_to_copy)
+        positions = self.kv_cache.prepare(batch.seqs)
+        hidden = self.model(torch.tensor(batch.token_ids, dtype=torch.long), positions, self.kv_cache)
+        logits = self.model.compute_logits(hidden[batch.sample_rows]) if batch.to_sample else None
+        if extras and any(r.wants_prompt_logprobs for r in batch.requests):
+            self._record_prompt_logprobs(batch.scheduled, hidden)
+        self.forward_seconds = time.perf_counter() - t0
+        for r, n in batch.scheduled:
+            r.num_computed_tokens += n
+        if logits is None:
+            return []
+        if extras and fork is not None and any(r.samples_to_fork for r in batch.to_sample):
+            rows = []
+            for i, r in enumerate(list(batch.to_sample)):
+                children = fork(r) if r.samples_to_fork else []
+                batch.to_sample += children
+                batch.prefilled += [False] * len(children)  # the parent offers the prompt to the cache
+                rows += [i] * len(children)
+            logits = torch.cat([logits, logits[rows]])  # each sample draws its first token from the prompt's
+        return self.sample(batch.to_sample, logits, extras)
+
+    def sample(self, reqs: list[Request], logits: torch.Tensor, extras: bool = True) -> list[int]:
+        """One token per request (row b of ``logits`` is request b's); with ``extras``, logit bias and
+        penalties first (from each request's own tokens), and the logprobs of the chosen tokens (from the
+        model's logits) appended to each request that asked for them."""
+        params = [r.sampling_params for r in reqs]
+        gens = [r.generator for r in reqs]
+        if not extras:
+            return sample(logits, params, gens).tolist()
+        adjusted = logits
+        if any(p.adjusts_logits for p in params):
+            histories = [(r.prompt_token_ids, r.output_token_ids) for r in reqs]
+            adjusted = adjust_logits(logits, params, histories)
+        next_ids = sample(adjusted, params, gens).tolist()
+        wanted = [b for b, p in enumerate(params) if p.logprobs is not None]
+        if wanted:
+            ranked = token_logprobs(
+                logits[wanted], [next_ids[b] for b in wanted], [params[b].logprobs for b in wanted]
+            )
+            for b, lp in zip(wanted, ranked):
+                reqs[b].output_logprobs.append(lp)
+        return next_ids
+
+    def _record_prompt_logprobs(self, batch: list[tuple[Request, int]], hidden: torch.Tensor) -> None:
+        """Log-probabilities of the prompt tokens this step's rows predict, for the requests that want
+        them: the row of position p gives token p + 1's. A recomputed prompt (after preemption) adds
+        none twice."""
+        rows, targets, owners = [], [], []
+        row = 0
+        for r, n in batch:
+            if r.wants_prompt_logprobs:
+                if not r.prompt_logprobs:
+                    r.prompt_logprobs.append(None)  # the first token has nothing before it
+                start = r.num_computed_tokens
+                for p in range(
+                    max(start, len(r.prompt_logprobs) - 1), min(start + n, r.num_prompt_tokens - 1)
+                ):
+                    rows.append(row + p - start)
+                    targets.append(r.prompt_token_ids[p + 1])
+                    owners.append(r)
+            row += n
+        if not rows:
+            return
+        tops = [r.sampling_params.prompt_logprobs for r in owners]
+        for r, lp in zip(owners, token_logprobs(self.model.compute_logits(hidden[rows]), targets, tops)):
+            r.prompt_logprobs.append(lp)
