@@ -125,15 +125,8 @@ class LLM:
     def _run_to_end(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
-        done: dict[str, RequestOutput] = {}
-        wanted = set(ids)
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
-            while len(done) < len(ids):
-                for out in self.engine.step(finished_only=True):
-                    if out.request_id in wanted:
-                        done[out.request_id] = out
-                        bar.update(1)
-        return [done[i] for i in ids]
+            return self.engine.run_until_finished(ids, lambda _: bar.update(1))
 
     def _as_template(self, template: str | ChatTemplate | None) -> ChatTemplate | None:
         if template is None or isinstance(template, ChatTemplate):

@@ -48,7 +48,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanolab.engine.config import EngineConfig
-from nanolab.engine.engine import Engine, EngineStepError
+from nanolab.engine.core import EngineStepError
+from nanolab.engine.engine import Engine
 from nanolab.engine.outputs import RequestOutput
 from nanolab.engine.prompt import Prompt
 from nanolab.engine.request import FinishReason
