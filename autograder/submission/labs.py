@@ -213,6 +213,32 @@ LABS: dict[int, LabSpec] = {
         # Pure Python: the models run in the grader, whose engine calls the learner's cache and allocator
         # in the sandbox.
     ),
+    7: LabSpec(
+        number=7,
+        name="engine",
+        title="Lab 7: The engine loop",
+        notebook="lab07_engine.ipynb",
+        setup_cells=("setup",),
+        graded_cells=MappingProxyType(
+            {
+                "layout-batch": ("layout_batch",),
+                "stop-rules": ("check_stop", "held_back"),
+                "detokenizer": ("IncrementalDetokenizer",),
+                "engine": ("Engine",),
+                "static": ("generate_static",),
+            }
+        ),
+        blocked_modules=MappingProxyType(
+            {
+                "nanolab": _OWN_CODE,
+                "autograder": "graded code may not use the grader",
+                "vllm": "your engine must be your own",
+                "sglang": "your engine must be your own",
+            }
+        ),
+        # Pure Python: the setup cell's toy parts (a scheduler, a block manager and a model runner whose
+        # "model" reads every sequence back through its block table) stand in for the model, in the sandbox.
+    ),
 }
 
 

@@ -225,3 +225,23 @@ class EngineCore:
         waiting = len(self.requests) - running
         preemptions = getattr(self.scheduler, "num_preemptions", 0)
         return self.counters.snapshot(running, waiting, preemptions, self.block_manager)
+
+
+def generate_static(
+    engine: EngineCore, requests: Sequence[Request], max_batch_size: int
+) -> list[RequestOutput]:
+    """Static batching with ``engine``: the first ``max_batch_size`` requests, in order, run until every one
+    of them has finished, then the next ones; their final outputs in the order of ``requests``.
+
+    The baseline continuous batching is measured against (Lab 7): a batch waits for its longest request,
+    and a request waits for the whole batch before it. ValueError if ``max_batch_size < 1``.
+    """
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+    outputs: list[RequestOutput] = []
+    for i in range(0, len(requests), max_batch_size):
+        batch = requests[i : i + max_batch_size]
+        for req in batch:
+            engine.add(req)
+        outputs += engine.run_until_finished([r.request_id for r in batch])
+    return outputs

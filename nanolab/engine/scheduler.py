@@ -165,6 +165,8 @@ class Scheduler:
     def add(self, req: Request) -> None:
         """Queue a new request; ValueError, naming the limit, for one that could never be admitted."""
         cfg, tokens = self.config, req.num_tokens
+        if tokens == 0:
+            raise ValueError(f"request {req.request_id!r} has no tokens: a prompt needs at least one")
         if not cfg.enable_chunked_prefill and tokens > cfg.max_num_batched_tokens:
             raise ValueError(
                 f"request {req.request_id!r} has {tokens} tokens to prefill but, without chunked prefill, "

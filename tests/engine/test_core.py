@@ -8,7 +8,7 @@ import pytest
 from helpers.engine_utils import random_prompts, tiny_model
 
 from nanolab.engine.config import EngineConfig
-from nanolab.engine.core import EngineCore
+from nanolab.engine.core import EngineCore, generate_static
 from nanolab.engine.llm import LLM
 from nanolab.engine.model_runner import ModelRunner
 from nanolab.engine.request import Request
@@ -73,3 +73,28 @@ def test_errors_name_the_request(model):
         core.add(Request("x", [4, 5], SamplingParams()))
     with pytest.raises(ValueError, match="'nope' is not running"):
         core.run_until_finished(["x", "nope"])
+
+
+def test_generate_static_runs_one_batch_at_a_time(model):
+    steps = []
+    core = core_of(model, block_size=4, num_blocks=64, max_num_seqs=4)
+    core.listeners = (steps.append,)
+    lengths = [2, 2, 2, 20, 2, 2]
+    reqs = [
+        Request(f"s{i}", [1 + i, 2, 3], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        for i, n in enumerate(lengths)
+    ]
+    outs = generate_static(core, reqs, 4)
+    assert [o.request_id for o in outs] == [r.request_id for r in reqs]
+    assert [len(o.outputs[0].token_ids) for o in outs] == lengths
+    assert len(steps) == 20 + 2  # the first batch waits for its 20-token request
+    assert max(s.num_seqs for s in steps[2:20]) == 1
+    with pytest.raises(ValueError, match="at least 1"):
+        generate_static(core, reqs[:1], 0)
+
+
+def test_an_empty_prompt_is_refused_not_left_waiting_forever(model):
+    core = core_of(model)
+    with pytest.raises(ValueError, match="has no tokens"):
+        core.add(Request("e", [], SamplingParams(max_tokens=2)))
+    assert not core.has_unfinished()
