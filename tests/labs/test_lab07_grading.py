@@ -1,0 +1,185 @@
+"""Grading Lab 7: the solution scores full marks, the blank lab zero, every planted bug loses the points of the
+hidden test aimed at it (and keeps the others), and tampered submissions earn nothing.
+
+The fixture notebooks are made from solutions/ and labs/ by text substitution and graded in one batch
+(``jobs=2``) against a copy of the hidden tests. Engines are compared through the notebook's ``run_engine``,
+which a learner can edit: one hidden test drives the learner's Engine through its handles, so a setup cell
+whose driver runs a correct engine of its own does not earn that test's points.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers.grading_utils import (
+    LYING_LIST,
+    STUB,
+    Batch,
+    cell,
+    check_blank_lab_scores_zero,
+    check_planted_bug_is_caught,
+    check_solution_scores_full_marks,
+)
+from helpers.grading_utils import sub as _sub
+
+from autograder.sandbox.limits import Limits
+
+ROOT = Path(__file__).resolve().parents[2]
+SOLUTION = ROOT / "solutions" / "lab07_engine.ipynb"
+LAB = ROOT / "labs" / "lab07_engine.ipynb"
+LIMITS = Limits(call_timeout_s=30, load_timeout_s=30, cpu_s=300, notebook_s=240)
+
+PLANTED_BUGS = {
+    # name: (cell, old, new, the hidden test that must catch it)
+    "decode_position_past": (
+        "layout-batch",
+        "lay.positions += range(start, start + n)",
+        "lay.positions += range(start + (n == 1), start + n + (n == 1))",
+        "test_layout_batch_matches_the_reference",
+    ),
+    "stop_search_new_text_only": (
+        "stop-rules",
+        "text.find(s, max(0, new_from - len(s) + 1))",
+        "text.find(s, new_from)",
+        "test_stop_rules_match_the_reference",
+    ),
+    "detok_each_token_alone": (
+        "detokenizer",
+        "        delta = self._decoder.decode(data)",
+        '        delta = data.decode("utf-8", errors="replace")',
+        "test_detokenizer_matches_the_reference",
+    ),
+    "no_holdback": (
+        "engine",
+        "            visible = max(shown_text, visible - held_back(text, req.sampling_params.stop))",
+        "            pass",
+        "test_engine_matches_the_reference_step_by_step",
+    ),
+    "abort_keeps_blocks": (
+        "engine",
+        "        self.scheduler.abort(req)\n",
+        "\n",
+        "test_aborts_free_every_block",
+    ),
+    "static_all_at_once": (
+        "static",
+        "        for r in batch:\n            engine.add(r)\n",
+        "        for r in requests[i:]:\n            engine.add(r) if r.request_id not in engine.requests else None\n",
+        "test_generate_static_matches_the_reference",
+    ),
+}
+
+GARBAGE = {  # cell -> replacement for each stub, in order (wrong values of the right shapes)
+    "layout-batch": ["return BatchLayout(_Yes(), _Yes(), _Yes(), _Yes(), _Yes(), _Yes(), _Yes())"],
+    "stop-rules": ["return None, _Yes()", "return 0"],
+    "detokenizer": ["self.text = ''", "return ''", "pass"],
+    "engine": [
+        "self.requests = {}",
+        "pass",
+        "return False",
+        "return _Yes()",
+        "return None",
+        "return _Yes()",
+        "pass",
+        "return None",
+    ],
+    "static": ["return _Yes()"],
+}
+
+
+def _lying(nb: dict) -> None:
+    _sub(nb, "layout-batch", "def layout_batch", LYING_LIST + "\n\ndef layout_batch", 1)
+    for grade_id, replacements in GARBAGE.items():
+        for replacement in replacements:
+            _sub(nb, grade_id, STUB, replacement, 1)
+
+
+# A setup cell whose run_engine runs a correct engine of its own (the solution's cells, run in a namespace of
+# their own) and never touches the learner's Engine, which is a stub.
+OWN_DRIVER = """
+
+_OWN = {own!r}
+_plain_run_engine = run_engine
+
+
+def run_engine(engine_class, requests, settings=None, aborts=None, digest=False):
+    namespace = dict(globals())
+    exec(_OWN, namespace)
+    return _plain_run_engine(namespace["Engine"], requests, settings, aborts, digest)
+"""
+
+
+def _driver_ignores_the_engine(nb: dict) -> None:
+    solution = json.loads(SOLUTION.read_text())
+    own = "\n\n".join(
+        "".join(cell(solution, g)["source"]) for g in ("layout-batch", "stop-rules", "detokenizer", "engine")
+    )
+    setup = cell(nb, "setup")
+    setup["source"] = "".join(setup["source"]) + OWN_DRIVER.format(own=own)
+
+
+TAMPERED = {
+    "containers_that_claim_equality": _lying,
+    "driver_that_ignores_the_engine": _driver_ignores_the_engine,
+}
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory):
+    fixtures = Batch(tmp_path_factory.mktemp("grading_lab07"))
+    fixtures.add_standard(SOLUTION, LAB, PLANTED_BUGS, TAMPERED)
+    return fixtures.grade(LIMITS)
+
+
+def test_solution_scores_full_marks(batch):
+    check_solution_scores_full_marks(batch, lab=7)
+
+
+def test_blank_lab_scores_zero(batch):
+    check_blank_lab_scores_zero(batch)
+
+
+@pytest.mark.parametrize("name", sorted(PLANTED_BUGS))
+def test_planted_bug_loses_points_in_the_test_that_targets_it(batch, name):
+    check_planted_bug_is_caught(batch, PLANTED_BUGS, name)
+
+
+def test_feedback_names_the_mistake_without_the_answer(batch):
+    """Each failing test says which rule the learner's code broke, on which input, in the terms of the lab."""
+    outputs = {name: " ".join(t.output for t in batch[f"bug_{name}"].tests) for name in PLANTED_BUGS}
+    assert "the positions" in outputs["decode_position_past"]
+    assert "stop strings" in outputs["stop_search_new_text_only"]
+    assert "no half of one" in outputs["detok_each_token_alone"]
+    assert "could still start a stop string" in outputs["no_holdback"]
+    assert "gives its blocks back" in outputs["abort_keeps_blocks"]
+    assert "only then does the next one start" in outputs["static_all_at_once"]
+
+
+def test_a_bug_in_the_loop_keeps_the_points_of_the_pieces(batch):
+    """Partial credit: a wrong stream in the loop costs the engine's tests only; layout, stop rules and the
+    detokeniser keep their points."""
+    status = {t.id: t.status for t in batch["bug_no_holdback"].tests}
+    for test_id in (
+        "test_layout_batch_matches_the_reference",
+        "test_stop_rules_match_the_reference",
+        "test_detokenizer_matches_the_reference",
+    ):
+        assert status[test_id] == "passed", test_id
+
+
+def test_containers_that_lie_about_equality_earn_nothing(batch):
+    """Only plain data crosses back, so a list whose == always says yes arrives as a plain list (or a handle,
+    which is not data) and is compared by value in the grader."""
+    result = batch["tamper_containers_that_claim_equality"]
+    assert [t.id for t in result.tests] == [t.id for t in batch["blank"].tests]
+    assert result.score == 0
+    assert all(t.status == "failed" and t.output for t in result.tests)
+
+
+def test_a_driver_that_ignores_the_engine_loses_the_handle_test(batch):
+    """The notebook's run_engine reports a correct engine's results, but the learner's Engine is a stub: the
+    test that drives it through its handles gives it away."""
+    status = {t.id: t.status for t in batch["tamper_driver_that_ignores_the_engine"].tests}
+    assert status["test_engine_through_its_handles"] == "failed"
