@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import nanolab
 from autograder.testing import RemoteError, bundled_model, expect, spread_out, stdlib_text
-from nanolab.engine.engine import EngineStepError
+from nanolab.engine.core import EngineStepError
 from nanolab.memory.paging import cdiv, slot_mapping
 from nanolab.model.attention import dense_causal_attention
 from nanolab.model.config import ModelConfig

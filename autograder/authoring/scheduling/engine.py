@@ -13,7 +13,7 @@ from autograder.authoring.scheduling.replay import learner_replay
 from autograder.authoring.scheduling.workloads import where
 from autograder.authoring.testing import Remote
 from nanolab.engine.config import EngineConfig
-from nanolab.engine.engine import EngineStepError
+from nanolab.engine.core import EngineStepError
 from nanolab.engine.request import RequestStatus, admit, preempt
 from nanolab.engine.scheduler import ScheduledRequest, SchedulerOutput
 from nanolab.model.sampling import SamplingParams
