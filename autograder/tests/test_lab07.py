@@ -82,7 +82,8 @@ def compare_runs(got: dict, want: dict, where: str) -> None:
             )
             assert o["text"] == e["text"], (
                 f"{where}, step {i}, {rid}: its text differs ({o['text']!r}): decode every token once, "
-                "never split a character, and cut a stop string with what follows it"
+                "never split a character (an unfinished one waits, even at the end), and cut a stop string "
+                "with what follows it"
             )
             assert o["delta_text"] == e["delta_text"], (
                 f"{where}, step {i}, {rid}: the text delta {o['delta_text']!r} is not what no earlier output "
@@ -99,8 +100,9 @@ def compare_runs(got: dict, want: dict, where: str) -> None:
         "or already finished"
     )
     assert got["cached"] == want["cached"], (
-        f"{where}: a request whose prompt this step computed, and which goes on, is offered to the prefix "
-        "cache (cache_computed) once"
+        f"{where}: the requests offered to the prefix cache differ: one that goes on is offered "
+        "(cache_computed) whenever its batch entry was prefilled, again after a recompute, and one that "
+        "stopped never"
     )
     assert got["free_blocks"] == got["total_blocks"], (
         f"{where}: {got['total_blocks'] - got['free_blocks']} KV blocks are still held at the end: a finished "

@@ -79,9 +79,13 @@ class SchedulerProtocol(Protocol):
 
     def schedule(self) -> SchedulerOutput: ...
 
-    def finish(self, req: Request) -> None: ...
+    def finish(self, req: Request) -> None:
+        """A running request is done: it leaves the batch and its KV blocks go back."""
+        ...
 
-    def abort(self, req: Request) -> None: ...
+    def abort(self, req: Request) -> None:
+        """Forget a request in any live state (running: its blocks go back; waiting or preempted: it leaves the queue)."""
+        ...
 
 
 def waiting_order(waiting: Sequence[Request], policy: str, now: int, aging_steps: int) -> list[Request]:
@@ -199,10 +203,14 @@ class Scheduler:
         self.running.append(child)
 
     def finish(self, req: Request) -> None:
+        """``req``, running, is done (the engine calls it before moving the request to FINISHED): it leaves
+        the running list and its KV blocks go back (those the prefix cache shares stay cached)."""
         self.running.remove(req)
         self.block_manager.release(req)
 
     def abort(self, req: Request) -> None:
+        """Forget ``req`` in whatever state: running (its blocks go back), waiting or preempted (it leaves the
+        queue). The engine moves it to FINISHED."""
         if req in self.running:
             self.running.remove(req)
             self.block_manager.release(req)
