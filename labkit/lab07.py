@@ -516,7 +516,10 @@ def run_engine(
         steps.append([_plain(o) for o in engine.step()])
         step += 1
         if step > 2000:
-            raise RuntimeError("the engine ran 2000 steps without finishing its requests")
+            raise RuntimeError(
+                "the engine ran 2000 steps without finishing its requests: one never stops, or KV blocks are "
+                "never given back (a finish or an abort the scheduler is not told of) and the others wait for them"
+            )
     if digest:
         finals = [o for step in steps for o in step if o["finished"]]
         steps = [hashlib.sha256(repr(steps).encode()).hexdigest(), finals]
