@@ -215,11 +215,21 @@ def test_stop_rules_match_the_reference(lab, rng):
         assert got[1] == want[1], (
             f"{where}: your text {got[1]!r} (a stop string is cut with what follows; otherwise the text is unchanged)"
         )
-    for _ in range(400):
-        text = "".join(rng.choice("ab#\n!é") for _ in range(rng.randint(0, 8)))
+    crafted = [
+        ("a#", ["#x", "a#x"]),
+        ("ab", ["bc", "abc", "b"]),
+        ("x\n", ["\n\n", "x\n\n"]),
+        ("é!", ["!?", "é!?"]),
+    ]
+    randoms = []
+    for _ in range(600):
+        alphabet = rng.choice(["ab", "ab#", "ab#\n!é"])
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 8)))
         stops = [
-            "".join(rng.choice("ab#\n!é") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(0, 3))
+            "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(0, 4))
         ]
+        randoms.append((text, stops))
+    for text, stops in crafted + randoms:
         got = expect(lab.held_back(text, stops), int, "held_back(...)")
         assert got == held_back(text, stops), (
             f"held_back({text!r}, {stops}) = {got}: the longest end of the text that is a proper start of a stop string"
