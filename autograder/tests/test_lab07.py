@@ -200,8 +200,17 @@ def stop_case(rng) -> dict:
 @pytest.mark.points(1)
 def test_stop_rules_match_the_reference(lab, rng):
     """Check check_stop against nanolab's on random requests, tokens, texts and stop strings (the rules' order, a stop string ending in the new text or begun before it, the earliest one cut), and held_back on random texts."""
-    for _ in range(400):
+    straddling = []  # a stop string that begins before the new text and ends in it
+    for _ in range(100):
         case = stop_case(rng)
+        stop = rng.choice([s for s in STOPS if len(s) > 1])
+        cut = rng.randint(0, len(case["text"]))
+        case["text"] = case["text"][:cut] + stop + case["text"][cut:][:3]
+        case["new_from"] = cut + rng.randint(1, len(stop) - 1)
+        case["params"]["stop"] = [stop] + (case["params"]["stop"] or [])
+        case["params"]["stop_token_ids"], case["eos"] = None, []
+        straddling.append(case)
+    for case in straddling + [stop_case(rng) for _ in range(400)]:
         want = stop_of(check_stop, case)
         got = expect(lab.stop_of(lab.check_stop, case), tuple, "check_stop(...)")
         p = case["params"]
