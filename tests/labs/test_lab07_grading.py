@@ -160,7 +160,11 @@ def test_feedback_names_the_mistake_without_the_answer(batch):
         hint in outputs["abort_keeps_blocks"]
         for hint in ("with aborts", "gives its blocks back", "never given back", "cannot be admitted")
     ), outputs["abort_keeps_blocks"]
-    assert "only then does the next one start" in outputs["static_all_at_once"]
+    # requests added before their batch: fewer forwards, other outputs, or a finished request admitted again
+    assert any(
+        hint in outputs["static_all_at_once"]
+        for hint in ("only then does the next one start", "final outputs differ", "cannot be admitted")
+    ), outputs["static_all_at_once"]
 
 
 def test_a_bug_in_the_loop_keeps_the_points_of_the_pieces(batch):
