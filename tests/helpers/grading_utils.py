@@ -55,6 +55,17 @@ def sub(nb: dict, grade_id: str, old: str, new: str, count: int = -1) -> None:
     edit(nb, grade_id, lambda src: src.replace(old, new, count))
 
 
+def lying(nb: dict, garbage: dict[str, list[str]], first: tuple[str, str], prelude: str = LYING_LIST) -> None:
+    """A tampered submission: ``prelude`` (a lying container class) put before the definition ``first =
+    (grade_id, "def name")``, and each stub of the graded cells replaced, in order, by ``garbage``'s wrong
+    values of the right shapes."""
+    grade_id, definition = first
+    sub(nb, grade_id, definition, prelude + "\n\n" + definition, 1)
+    for cell_id, replacements in garbage.items():
+        for replacement in replacements:
+            sub(nb, cell_id, STUB, replacement, 1)
+
+
 class Batch:
     """Fixture notebooks written under ``base``, graded together against a copy of the hidden tests."""
 
@@ -112,6 +123,14 @@ def check_blank_lab_scores_zero(results: dict[str, SubmissionResult]) -> None:
     assert all("NotImplementedError" in t.output for t in result.tests), {
         t.id: t.output for t in result.tests
     }
+
+
+def check_tamper_earns_nothing(results: dict[str, SubmissionResult], name: str) -> None:
+    """The tampered submission ``name`` runs the blank lab's tests, fails every one with feedback, and scores 0."""
+    result = results[f"tamper_{name}"]
+    assert [t.id for t in result.tests] == [t.id for t in results["blank"].tests]
+    assert result.score == 0
+    assert all(t.status == "failed" and t.output for t in result.tests)
 
 
 def check_planted_bug_is_caught(

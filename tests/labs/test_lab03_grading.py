@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from helpers.grading_utils import (
     LYING_LIST,
-    STUB,
     Batch,
     check_blank_lab_scores_zero,
     check_planted_bug_is_caught,
     check_solution_scores_full_marks,
+    check_tamper_earns_nothing,
+    lying,
 )
-from helpers.grading_utils import sub as _sub
 
 from autograder.sandbox.limits import Limits
 
@@ -137,10 +137,7 @@ GARBAGE = {  # cell -> replacement for each stub, in order (wrong values of the 
 
 
 def _lying(nb: dict) -> None:
-    _sub(nb, "simulate", "def simulate", LIAR + "\n\ndef simulate", 1)
-    for grade_id, replacements in GARBAGE.items():
-        for replacement in replacements:
-            _sub(nb, grade_id, STUB, replacement, 1)
+    lying(nb, GARBAGE, ("simulate", "def simulate"), LIAR)
 
 
 TAMPERED = {"containers_that_claim_equality": _lying}
@@ -198,7 +195,4 @@ def test_a_bug_in_one_part_keeps_the_points_of_the_parts_that_do_not_use_it(batc
 def test_containers_that_lie_about_equality_earn_nothing(batch, name):
     """Only plain data crosses back, so a list subclass whose == always says yes arrives as a plain list
     (or a handle, which is not data) and is compared by value in the grader."""
-    result = batch[f"tamper_{name}"]
-    assert [t.id for t in result.tests] == [t.id for t in batch["blank"].tests]
-    assert result.score == 0
-    assert all(t.status == "failed" and t.output for t in result.tests)
+    check_tamper_earns_nothing(batch, name)

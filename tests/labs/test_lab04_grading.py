@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 from helpers.grading_utils import (
     LYING_LIST,
-    STUB,
     Batch,
     cell,
     check_planted_bug_is_caught,
     check_solution_scores_full_marks,
+    check_tamper_earns_nothing,
+    lying,
     replay_ignoring_the_scheduler,
 )
-from helpers.grading_utils import sub as _sub
 
 from autograder.sandbox.limits import Limits
 
@@ -154,10 +154,7 @@ GARBAGE = {  # cell -> replacement for each stub, in order (wrong values of the 
 
 
 def _lying(nb: dict) -> None:
-    _sub(nb, "transitions", "def admit", LIAR + "\n\ndef admit", 1)
-    for grade_id, replacements in GARBAGE.items():
-        for replacement in replacements:
-            _sub(nb, grade_id, STUB, replacement, 1)
+    lying(nb, GARBAGE, ("transitions", "def admit"), LIAR)
 
 
 def _solution_code(*grade_ids: str) -> str:
@@ -239,10 +236,7 @@ def test_a_bug_in_one_part_keeps_the_points_of_the_parts_that_do_not_use_it(batc
 def test_containers_that_lie_about_equality_earn_nothing(batch):
     """Only plain data crosses back, so a list or string subclass whose == always says yes arrives as a
     plain list or string (or a handle, which is not data) and is compared by value in the grader."""
-    result = batch["tamper_containers_that_claim_equality"]
-    assert [t.id for t in result.tests] == [t.id for t in batch["blank"].tests]
-    assert result.score == 0
-    assert all(t.status == "failed" and t.output for t in result.tests)
+    check_tamper_earns_nothing(batch, "containers_that_claim_equality")
 
 
 def test_a_replay_that_ignores_the_scheduler_earns_nothing(batch):

@@ -14,15 +14,14 @@ from pathlib import Path
 
 import pytest
 from helpers.grading_utils import (
-    LYING_LIST,
-    STUB,
     Batch,
     cell,
     check_blank_lab_scores_zero,
     check_planted_bug_is_caught,
     check_solution_scores_full_marks,
+    check_tamper_earns_nothing,
+    lying,
 )
-from helpers.grading_utils import sub as _sub
 
 from autograder.sandbox.limits import Limits
 
@@ -90,10 +89,7 @@ GARBAGE = {  # cell -> replacement for each stub, in order (wrong values of the 
 
 
 def _lying(nb: dict) -> None:
-    _sub(nb, "layout-batch", "def layout_batch", LYING_LIST + "\n\ndef layout_batch", 1)
-    for grade_id, replacements in GARBAGE.items():
-        for replacement in replacements:
-            _sub(nb, grade_id, STUB, replacement, 1)
+    lying(nb, GARBAGE, ("layout-batch", "def layout_batch"))
 
 
 # A setup cell whose run_engine runs a correct engine of its own (the solution's cells, run in a namespace of
@@ -182,10 +178,7 @@ def test_a_bug_in_the_loop_keeps_the_points_of_the_pieces(batch):
 def test_containers_that_lie_about_equality_earn_nothing(batch):
     """Only plain data crosses back, so a list whose == always says yes arrives as a plain list (or a handle,
     which is not data) and is compared by value in the grader."""
-    result = batch["tamper_containers_that_claim_equality"]
-    assert [t.id for t in result.tests] == [t.id for t in batch["blank"].tests]
-    assert result.score == 0
-    assert all(t.status == "failed" and t.output for t in result.tests)
+    check_tamper_earns_nothing(batch, "containers_that_claim_equality")
 
 
 def test_a_driver_that_ignores_the_engine_loses_the_handle_test(batch):
