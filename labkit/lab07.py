@@ -335,11 +335,16 @@ class ToyScheduler:
         self._admissions = 0
 
     def add(self, req: Request) -> None:
-        if (
-            self.block_manager.num_blocks_for(req.num_tokens + req.sampling_params.max_tokens)
-            > self.block_manager.num_total_blocks
-        ):
-            raise ValueError(f"request {req.request_id!r} could never fit in the KV pool")
+        """Queue a new request; ValueError for one that is not new, has no tokens, or holds more tokens than
+        the pool (nanolab's rules)."""
+        if req.status != RequestStatus.WAITING:
+            raise ValueError(
+                f"request {req.request_id!r} is {RequestStatus(req.status).value}: only a new request can be added"
+            )
+        if req.num_tokens == 0:
+            raise ValueError(f"request {req.request_id!r} has no tokens: a prompt needs at least one")
+        if self.block_manager.num_blocks_for(req.num_tokens) > self.block_manager.num_total_blocks:
+            raise ValueError(f"request {req.request_id!r} has more tokens than the KV pool holds")
         self.waiting.append(req)
 
     def admits_new_requests(self) -> bool:
@@ -347,6 +352,12 @@ class ToyScheduler:
         return True
 
     def schedule(self) -> SchedulerOutput:
+        finished = [r.request_id for r in self.waiting + self.running if r.status == RequestStatus.FINISHED]
+        if finished:
+            raise RuntimeError(
+                f"request {finished[0]!r} is finished but still in the scheduler's queue: an abort or a finish "
+                "must tell the scheduler (scheduler.abort, scheduler.finish)"
+            )
         out, budget, taken = SchedulerOutput(), self.max_num_batched_tokens, set()
         for req in sorted(self.running, key=lambda r: (r.remaining_prefill() != 1, r.admitted_seq)):
             if budget == 0 or req.status != RequestStatus.RUNNING:

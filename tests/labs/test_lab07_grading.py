@@ -150,16 +150,20 @@ def test_feedback_names_the_mistake_without_the_answer(batch):
     assert "no half of one" in outputs["detok_each_token_alone"]
     assert "could still start a stop string" in outputs["no_holdback"]
     # an abort the scheduler is not told of shows (depending on the mix) as a step that differs in a mix with
-    # aborts, as blocks held at the end, as requests waiting forever for
-    # them, or as the scheduler admitting the aborted request (which the state machine refuses)
+    # aborts, as blocks held at the end, as requests waiting forever for them, or as the aborted request
+    # found still in the scheduler's queue
     assert any(
         hint in outputs["abort_keeps_blocks"]
-        for hint in ("with aborts", "gives its blocks back", "never given back", "cannot be admitted")
+        for hint in ("with aborts", "gives its blocks back", "never given back", "must tell the scheduler")
     ), outputs["abort_keeps_blocks"]
-    # requests added before their batch: fewer forwards, other outputs, or a finished request admitted again
+    # requests added before their batch: fewer forwards, other outputs, or a finished request added again
     assert any(
         hint in outputs["static_all_at_once"]
-        for hint in ("only then does the next one start", "final outputs differ", "cannot be admitted")
+        for hint in (
+            "only then does the next one start",
+            "final outputs differ",
+            "only a new request can be added",
+        )
     ), outputs["static_all_at_once"]
 
 
