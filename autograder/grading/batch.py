@@ -26,6 +26,7 @@ from typing import Any
 
 from autograder.grading.results import SubmissionResult, TestResult
 from autograder.sandbox.cleanup import remove_tree
+from autograder.sandbox.isolation import shared_mirror
 
 # The worker's entry point: task(conn) receives (workdir, path, *args) through conn, then sends
 # ("lab", number), ("collected", [test, ...]), ("test", test) and finally ("done", result) (tests and
@@ -61,6 +62,18 @@ def run(
 
     ``args`` may be a function giving them: it is called once the first workers are starting, so that
     what it waits for overlaps with their start-up."""
+    with shared_mirror():  # the workers bind the lab's packages from one mirror (`isolation.mirrored`)
+        return _run(paths, task, args, jobs, watchdog_s, on_result)
+
+
+def _run(
+    paths: Sequence[str],
+    task: Task,
+    args: tuple[Any, ...] | Callable[[], tuple[Any, ...]],
+    jobs: int,
+    watchdog_s: float,
+    on_result: Callable[[int, SubmissionResult], None],
+) -> list[SubmissionResult]:
     context = multiprocessing.get_context("spawn")
     results: dict[int, SubmissionResult] = {}
     waiting, running = list(enumerate(paths)), []

@@ -18,11 +18,19 @@ bubblewrap (``bwrap``, the tool Flatpak uses) starts the submission's process:
 As root, bubblewrap itself runs as uid 65534, so the paths it binds are first bind-mounted (in a
 private mount namespace of a small launcher, `_LAUNCHER`) where that uid can reach them: on a stage
 that covers ``/tmp`` in that namespace only.
+
+A bind mount shows its source's path in the sandbox's ``/proc/self/mountinfo``, so the grader's own code
+and the lab's packages are bound from a mirror in the grader's temporary folder (`mirrored`: hard links
+where the file system allows, copies otherwise), never from the checkout or the environment the grader
+runs from.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
+import hashlib
 import json
 import os
 import re
@@ -33,6 +41,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +53,7 @@ SITE_DIR = "/opt/nanolab/site-packages"  # the lab's packages
 GRADER_DIR = "/opt/nanolab/grader"  # holds autograder/sandbox/runtime/, the grader's only code in the sandbox
 RUNTIME_PACKAGE = Path(__file__).resolve().parent / "runtime"  # what the sandboxed process runs, bound whole
 SANDBOX_UID = 65534  # the host uid of a sandbox started by a grader running as root
+MIRROR_ENV = "NANOLAB_SANDBOX_MIRROR"  # a mirror folder made by a batch, shared by its grading workers
 INSTALL_HINT = (
     "install bubblewrap (Debian, Ubuntu: `sudo apt-get install bubblewrap`; Fedora: `sudo dnf install "
     "bubblewrap`; Arch: `sudo pacman -S bubblewrap`) and make sure user namespaces are enabled"
@@ -157,6 +167,70 @@ def make_host_dir() -> str:
     return tempfile.mkdtemp(prefix="nanolab-sandbox-")
 
 
+_mirror_lock = threading.Lock()
+_own_mirror: list[str] = []  # this process's mirror folder, once made (removed when the process exits)
+
+
+def _mirror_root() -> Path:
+    shared = os.environ.get(MIRROR_ENV)
+    if shared and os.path.isdir(shared):
+        return Path(shared)
+    if not _own_mirror:
+        _own_mirror.append(tempfile.mkdtemp(prefix="nanolab-mirror-"))
+        atexit.register(shutil.rmtree, _own_mirror[0], True)
+    return Path(_own_mirror[0])
+
+
+@contextlib.contextmanager
+def shared_mirror() -> Iterator[None]:
+    """One mirror folder for the grading workers this process starts inside the block (they inherit its
+    path), removed after it: the lab's packages are mirrored once per batch rather than once per notebook."""
+    root = tempfile.mkdtemp(prefix="nanolab-mirror-")
+    old = os.environ.get(MIRROR_ENV)
+    os.environ[MIRROR_ENV] = root
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(MIRROR_ENV, None)
+        else:
+            os.environ[MIRROR_ENV] = old
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # another file system, or links refused (fs.protected_hardlinks)
+        shutil.copy2(source, target)
+
+
+def mirrored(source: str) -> str:
+    """The host file or folder ``source`` as a mirror in the grader's temporary folder (hard links where the
+    file system allows, copies otherwise), made once per process or batch and reused: what the sandbox binds
+    instead of ``source``, so that its mount table does not name the checkout or the grader's environment."""
+    root = _mirror_root()
+    target = root / hashlib.sha256(source.encode()).hexdigest()[:16] / os.path.basename(source.rstrip("/"))
+    with _mirror_lock:
+        if target.exists():
+            return str(target)
+        part = Path(tempfile.mkdtemp(prefix=".part-", dir=root))
+        try:
+            if os.path.isdir(source):
+                shutil.copytree(source, part / target.name, symlinks=True, copy_function=_link_or_copy)
+            else:
+                _link_or_copy(source, str(part / target.name))
+            target.parent.mkdir(exist_ok=True)
+            try:
+                os.rename(part / target.name, target)
+            except OSError:  # a worker beside this one mirrored it first
+                if not target.exists():
+                    raise
+        finally:
+            shutil.rmtree(part, ignore_errors=True)
+    return str(target)
+
+
 def interpreter() -> str:
     """The real Python binary behind this (virtual) environment's ``python``."""
     return os.path.realpath(sys.executable)
@@ -255,10 +329,12 @@ def command(
     for name in ("ld.so.cache", "ld.so.conf", "localtime"):
         if os.path.isfile(f"/etc/{name}"):
             binds.append((os.path.realpath(f"/etc/{name}"), f"/etc/{name}"))
-    binds.append((str(RUNTIME_PACKAGE), f"{GRADER_DIR}/autograder/sandbox/runtime"))
+    binds.append((mirrored(str(RUNTIME_PACKAGE)), f"{GRADER_DIR}/autograder/sandbox/runtime"))
     refused = {_module_key(name) for name in blocked}
     packages = lab_packages(modules) if modules else ()
-    site_binds = [(path, f"{SITE_DIR}/{name}") for path, name in packages if _module_key(name) not in refused]
+    site_binds = [
+        (mirrored(path), f"{SITE_DIR}/{name}") for path, name in packages if _module_key(name) not in refused
+    ]
     sources = [source for source, _ in binds + site_binds]
     if os.geteuid() == 0:
         staged = {source: f"/tmp/{i}" for i, source in enumerate(sources)}

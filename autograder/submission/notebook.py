@@ -5,8 +5,10 @@ lab, a graded cell deleted) raises `SubmissionError` with a message meant for th
 grader turns that into a zero for this submission and moves on to the next.
 
 Only the lab's setup cells and graded cells are taken (by nbgrader ``grade_id``), in notebook order.
-IPython syntax (``%magic``, ``!shell``) in them is replaced by ``pass``, since the grader runs plain
-Python.
+A setup cell is locked only by convention, so the grader never runs the submission's text of it: it runs
+the lab's own setup code, ``labkit/labNN.py`` (the text ``make labs`` writes into the cell), and a
+submission whose setup cell differs is graded all the same, with a note saying so. IPython syntax
+(``%magic``, ``!shell``) in graded cells is replaced by ``pass``, since the grader runs plain Python.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import labkit
 from autograder.submission.labs import LabSpec, lab_spec
 
 MAX_NOTEBOOK_BYTES = 20 * 1024 * 1024
@@ -32,7 +35,9 @@ class Submission:
 
     path: Path
     spec: LabSpec
-    cells: list[dict]  # [{"id": grade_id, "source": code}] setup and graded cells, in notebook order
+    # [{"id": grade_id, "source": code, "setup": bool}] setup and graded cells, in notebook order; a setup
+    # cell's source is the lab's own (`setup_source`), whatever the notebook holds
+    cells: list[dict]
     warnings: list[str] = field(default_factory=list)
 
 
@@ -71,6 +76,12 @@ _MAGIC = re.compile(r"^(\s*)[%!].*$", re.M)
 def strip_magics(source: str) -> str:
     """Replace IPython-only lines (``%time``, ``!pip ...``) with ``pass``, keeping the indentation."""
     return _MAGIC.sub(lambda m: f"{m.group(1)}pass  # (IPython line removed by the grader)", source)
+
+
+def setup_source(spec: LabSpec) -> str:
+    """The lab's own setup code: the text of ``labkit/labNN.py``, as ``make labs`` writes it into the cell."""
+    module = Path(labkit.__file__).resolve().parent / f"lab{spec.number:02d}.py"
+    return module.read_text(encoding="utf-8").rstrip("\n")
 
 
 def read_notebook(path: Path) -> dict:
@@ -137,9 +148,16 @@ def read_submission(path: str | Path, lab: int | None = None) -> Submission:
         if cell.get("cell_type") != "code" or grade_id not in wanted:
             continue
         seen.add(grade_id)
-        if grade_id in spec.setup_cells and _nbgrader(cell).get("checksum") not in (None, checksum(cell)):
-            warnings.append(f"the locked cell {grade_id!r} was edited; the grader runs it as it is")
-        cells.append({"id": grade_id, "source": strip_magics(_source(cell))})
+        if grade_id in spec.setup_cells:
+            own = setup_source(spec)
+            if _source(cell).rstrip("\n") != own:
+                warnings.append(
+                    f"the locked cell {grade_id!r} differs from the lab's own setup code; the grader ran the "
+                    f"lab's own instead (copy the cell back from labs/{spec.notebook} to run what is graded)"
+                )
+            cells.append({"id": grade_id, "source": own, "setup": True})
+            continue
+        cells.append({"id": grade_id, "source": strip_magics(_source(cell)), "setup": False})
     missing = [g for g in (*spec.setup_cells, *spec.graded_cells) if g not in seen]
     if missing:
         raise SubmissionError(

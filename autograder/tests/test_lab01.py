@@ -168,6 +168,7 @@ def test_merge_replaces_every_occurrence_left_to_right(lab, rng):
             raise AssertionError(f"merge({_short(ids)}, {pair}, {new_id}) is wrong{tail}")
 
 
+@pytest.mark.points(0.5)  # a check on inputs left unchanged weighs little (autograder/README.md)
 def test_merge_leaves_its_input_unchanged(lab, rng):
     """Check that merge returns the merged ids as a new list and leaves the list it is given as it was."""
     for _ in range(8):

@@ -253,9 +253,19 @@ def test_queries_are_the_last_tokens_of_a_longer_sequence(lab, rng):
 ATTENTION_DTYPES = ((torch.float64, 1e-6), (torch.bfloat16, 5e-2), (torch.float16, 5e-3))
 
 
-def test_attention_keeps_the_dtype_and_leaves_its_inputs_unchanged(lab, rng):
-    """Check that causal_attention returns a tensor of q's dtype (float64, bfloat16, float16) and leaves the q, k
-    and v it is given as they were."""
+def test_attention_keeps_the_dtype(lab, rng):
+    """Check that causal_attention returns a tensor of q's dtype (float64, bfloat16, float16) with the reference's
+    values."""
+    _attention_in_every_dtype(lab, rng, check_inputs=False)
+
+
+@pytest.mark.points(0.5)  # a check on inputs left unchanged weighs little (autograder/README.md)
+def test_attention_leaves_its_inputs_unchanged(lab, rng):
+    """Check that causal_attention leaves the q, k and v it is given as they were."""
+    _attention_in_every_dtype(lab, rng, check_inputs=True)
+
+
+def _attention_in_every_dtype(lab, rng, check_inputs: bool) -> None:
     g = tensors(rng)
     for dtype, tol in ATTENTION_DTYPES:
         T = rng.randint(2, 9)
@@ -270,7 +280,7 @@ def test_attention_keeps_the_dtype_and_leaves_its_inputs_unchanged(lab, rng):
         held = [lab.hold(x) for x in (q, k, v)]  # the tensors themselves reach the learner's function
         got = as_tensor(lab.causal_attention(*held), what, (T, nh, hs))
         assert got.dtype == dtype, f"{what} returned {got.dtype}: the output should have the dtype of q"
-        for label, before, handle in zip("qkv", (q, k, v), held):
+        for label, before, handle in zip("qkv", (q, k, v), held if check_inputs else ()):
             after = as_tensor(lab.peek(handle), f"the {label} given to causal_attention")
             assert torch.equal(after, before), (
                 f"{what} changed the {label} it was given; compute into new tensors instead of writing into it"
@@ -554,6 +564,7 @@ def _check_filtered(got, logits: torch.Tensor, want_kept: torch.Tensor, what: st
     assert bool((got[~kept] == -math.inf).all()), f"{what}: filtered tokens must be -inf (not 0 or NaN)"
 
 
+@pytest.mark.points(0.5)  # a check on inputs left unchanged weighs little (autograder/README.md)
 def test_filters_leave_their_input_unchanged(lab, rng):
     """Check that apply_top_k, apply_top_p and filter_logits return the right new tensor and leave the logits
     they are given as they were."""

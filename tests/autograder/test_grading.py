@@ -91,6 +91,24 @@ def test_lab_is_detected_from_metadata_and_magics_are_removed(tmp_path):
     assert [c["id"] for c in submission.cells] == ["setup", *GRADED]
 
 
+def test_the_grader_runs_the_labs_own_setup_code_and_notes_an_edited_setup_cell(tmp_path):
+    """A setup cell is locked by convention only: an edited one (here a helper that lies) is replaced by the
+    lab's own setup code, ``labkit/lab01.py``, and the submission is graded with a note saying so."""
+    own = (ROOT / "labkit" / "lab01.py").read_text().rstrip("\n")
+    nb = json.loads(SOLUTION.read_text())
+    path = tmp_path / "lab01_tokenizer.ipynb"
+    path.write_text(json.dumps(nb))
+    untouched = read_submission(path)
+    assert untouched.cells[0] == {"id": "setup", "source": own, "setup": True} and not untouched.warnings
+    assert not any(c["setup"] for c in untouched.cells[1:])
+
+    prepend(nb, "setup", "def split_at_specials(text, specials):\n    return [text]\n")
+    path.write_text(json.dumps(nb))
+    edited = read_submission(path)
+    assert edited.cells == untouched.cells
+    assert len(edited.warnings) == 1 and "differs from the lab's own setup code" in edited.warnings[0]
+
+
 # ---------------------------------------------------------------------------------------------- sandbox and codec
 
 
@@ -259,6 +277,28 @@ def bump(table):
         table = sb.hold({"n": 1})
         sb.get(None, "bump")(table)
         assert sb.value(table) == {"n": 2}
+
+
+def test_a_graded_cell_that_binds_a_setup_name_again_changes_neither_the_setup_nor_what_the_grader_gets():
+    """The setup code's functions keep their own globals, and the grader asking for a setup name gets the
+    setup's object; the graded cells still see their own bindings, as in the notebook."""
+    setup = "def truth():\n    return 1\n\ndef helper():\n    return truth()\n"
+    graded = """
+def truth():
+    return 2
+
+def helper():
+    return 99
+
+def Graded():
+    return helper(), truth()
+"""
+    cells = [{"id": "setup", "source": setup, "setup": True}, {"id": "g", "source": graded, "setup": False}]
+    with Sandbox(cells, {"g": ["Graded"]}, Limits(call_timeout_s=5, load_timeout_s=10)) as sb:
+        sb.start()
+        assert sb.get(None, "helper")() == 1  # the setup's helper, calling the setup's truth
+        assert sb.get(None, "truth")() == 1
+        assert sb.get(None, "Graded")() == (99, 2)
 
 
 def test_cli_grades_and_writes_every_format(tmp_path):

@@ -107,6 +107,27 @@ def test_the_sandbox_holds_no_checkout_tests_solutions_or_blocked_module(tmp_pat
         assert host_uids == {os.geteuid()}, host_uids
 
 
+MOUNT_TABLE = """
+def mount_tables():
+    texts = []
+    for name in ("/proc/self/mountinfo", "/proc/self/mounts", "/proc/1/mountinfo", "/proc/1/mounts"):
+        with open(name) as f:
+            texts.append(f.read())
+    return "\\n".join(texts)
+"""
+
+
+def test_the_sandboxs_mount_table_names_neither_the_checkout_nor_the_graders_environment():
+    """A bind mount shows its source's path in /proc/*/mountinfo: the grader's code and the lab's packages are
+    bound from a mirror in the grader's temporary folder, so the sandbox cannot learn where the checkout or
+    the grader's Python environment is."""
+    with sandbox(MOUNT_TABLE) as sb:
+        table = sb.get(None, "mount_tables")()
+    assert "/opt/nanolab/site-packages/regex" in table, "the probe did not read the mount table"
+    for secret in {str(ROOT), os.path.realpath(ROOT), sys.prefix, os.path.realpath(sys.prefix)}:
+        assert secret not in table, f"the sandbox's mount table names {secret}"
+
+
 REACH_OUT = """
 import os, resource, signal, socket
 

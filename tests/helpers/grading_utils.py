@@ -164,11 +164,23 @@ def replay_schedule(scheduler, events, new_request=None):
 """
 
 
-def replay_ignoring_the_scheduler(nb: dict, own: str) -> None:
-    """Make the setup cell's replay_schedule run ``own`` (a correct scheduler's code) instead of the
-    scheduler it is given."""
+def replay_ignoring_the_scheduler(nb: dict, own: str, graded_cell: str | None = None) -> None:
+    """Define a replay_schedule that runs ``own`` (a correct scheduler's code) instead of the scheduler it is
+    given: at the end of the setup cell, or (``graded_cell``) at the start of that graded cell."""
+    if graded_cell is not None:
+        prepend(nb, graded_cell, OWN_REPLAY.format(own=own))
+        return
     setup = cell(nb, "setup")
     setup["source"] = "".join(setup["source"]) + OWN_REPLAY.format(own=own)
+
+
+def check_setup_edit_earns_nothing(results: dict[str, SubmissionResult], name: str) -> None:
+    """The tampered submission ``name``, whose setup cell was edited, earns nothing, and its feedback says that
+    the lab's own setup code ran instead; the solution's has no such note."""
+    check_tamper_earns_nothing(results, name)
+    messages = results[f"tamper_{name}"].messages
+    assert any("differs from the lab's own setup code" in m for m in messages), messages
+    assert not any("setup code" in m for m in results["solution"].messages)
 
 
 def solution_namespace(name: str) -> dict:

@@ -4,9 +4,10 @@ the hidden test aimed at it (and keeps others), and tampered submissions earn no
 The fixture notebooks are made from solutions/ and labs/ by text substitution, as in test_grading.py
 (which covers the generic tampering cases), and graded in one batch (``jobs=2``) against a copy of the
 hidden tests. What is Lab 4's own: requests are the notebook's objects, driven through handles; schedulers
-are compared through the notebook's ``replay_schedule``, which a learner can edit, so a setup cell whose
-replay plays a correct scheduler of its own (and ignores the learner's) must earn nothing from it; and
-the engine runs in the grader on the learner's recorded decisions.
+are compared through the notebook's ``replay_schedule``, the lab's setup code: the grader runs the lab's
+own, so a setup cell whose replay plays a correct scheduler of its own (and ignores the learner's) earns
+nothing, nor does a graded cell that binds ``replay_schedule`` again; and the engine runs in the grader on
+the learner's recorded decisions.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from helpers.grading_utils import (
     Batch,
     cell,
     check_planted_bug_is_caught,
+    check_setup_edit_earns_nothing,
     check_solution_scores_full_marks,
     check_tamper_earns_nothing,
     lying,
@@ -166,9 +168,16 @@ def _replay_ignores_the_scheduler(nb: dict) -> None:
     replay_ignoring_the_scheduler(nb, _solution_code("transitions", "policies", "victim", "scheduler"))
 
 
+def _graded_cell_rebinds_the_replay(nb: dict) -> None:
+    replay_ignoring_the_scheduler(
+        nb, _solution_code("transitions", "policies", "victim", "scheduler"), graded_cell="scheduler"
+    )
+
+
 TAMPERED = {
     "containers_that_claim_equality": _lying,
     "replay_that_ignores_the_scheduler": _replay_ignores_the_scheduler,
+    "graded_cell_that_rebinds_the_replay": _graded_cell_rebinds_the_replay,
 }
 
 
@@ -240,20 +249,12 @@ def test_containers_that_lie_about_equality_earn_nothing(batch):
 
 
 def test_a_replay_that_ignores_the_scheduler_earns_nothing(batch):
-    """The notebook's replay_schedule reports a correct scheduler's decisions, but the learner's Scheduler is
-    a stub: the state read back from the learner's own Scheduler object gives it away, and the test that
-    drives the Scheduler directly fails on the stub."""
-    result = batch["tamper_replay_that_ignores_the_scheduler"]
-    assert result.score == 0
-    outputs = {t.id: t.output for t in result.tests}
-    assert (
-        "your Scheduler's own"
-        in outputs["test_scheduler_matches_the_reference_event_by_event_on_random_workloads"]
-    )
-    assert (
-        "your Scheduler's own"
-        in outputs["test_your_schedulers_decisions_give_the_reference_outputs_in_the_engine"]
-    )
-    assert (
-        "NotImplementedError" in outputs["test_scheduler_driven_directly_through_add_schedule_finish_abort"]
-    )
+    """A setup cell whose replay_schedule reports a correct scheduler's decisions (the learner's Scheduler is a
+    stub) is not run: the grader runs the lab's own setup code, says so, and the stub earns nothing."""
+    check_setup_edit_earns_nothing(batch, "replay_that_ignores_the_scheduler")
+
+
+def test_a_graded_cell_that_binds_the_replay_again_earns_nothing(batch):
+    """The same replay defined in a graded cell: the hidden tests get the setup's replay_schedule, whose
+    globals are the setup's own, so the learner's stub Scheduler is what runs."""
+    check_tamper_earns_nothing(batch, "graded_cell_that_rebinds_the_replay")

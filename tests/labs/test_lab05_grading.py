@@ -3,8 +3,9 @@ the hidden test aimed at it (and keeps the others), and tampered submissions ear
 
 The fixture notebooks are made from solutions/ and labs/ by text substitution, as in test_grading.py, and
 graded in one batch (``jobs=2``) against a copy of the hidden tests. As in Lab 4, schedulers are compared
-through the notebook's ``replay_schedule``, which a learner can edit: a setup cell whose replay plays a
-correct scheduler of its own must earn nothing from it.
+through the notebook's ``replay_schedule``, the lab's setup code: the grader runs the lab's own, so a setup
+cell whose replay plays a correct scheduler of its own earns nothing, nor does a graded cell that binds
+``replay_schedule`` again.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from helpers.grading_utils import (
     cell,
     check_blank_lab_scores_zero,
     check_planted_bug_is_caught,
+    check_setup_edit_earns_nothing,
     check_solution_scores_full_marks,
     check_tamper_earns_nothing,
     lying,
@@ -93,9 +95,16 @@ def _replay_ignores_the_scheduler(nb: dict) -> None:
     replay_ignoring_the_scheduler(nb, "".join(cell(json.loads(SOLUTION.read_text()), "scheduler")["source"]))
 
 
+def _graded_cell_rebinds_the_replay(nb: dict) -> None:
+    replay_ignoring_the_scheduler(
+        nb, "".join(cell(json.loads(SOLUTION.read_text()), "scheduler")["source"]), graded_cell="scheduler"
+    )
+
+
 TAMPERED = {
     "containers_that_claim_equality": _lying,
     "replay_that_ignores_the_scheduler": _replay_ignores_the_scheduler,
+    "graded_cell_that_rebinds_the_replay": _graded_cell_rebinds_the_replay,
 }
 
 
@@ -169,16 +178,12 @@ def test_containers_that_lie_about_equality_earn_nothing(batch):
 
 
 def test_a_replay_that_ignores_the_scheduler_earns_nothing(batch):
-    """The notebook's replay_schedule reports a correct scheduler's decisions, but the learner's Scheduler is a
-    stub: the state read back from the learner's own Scheduler object gives it away, and add, called
-    directly, is the stub."""
-    result = batch["tamper_replay_that_ignores_the_scheduler"]
-    assert result.score == 0
-    outputs = {t.id: t.output for t in result.tests}
-    for test_id in (
-        "test_scheduler_matches_the_reference_event_by_event_with_chunking",
-        "test_a_long_prompt_is_chunked_beside_decodes",
-        "test_your_chunked_decisions_give_the_unchunked_outputs_in_the_engine",
-    ):
-        assert "your Scheduler's own" in outputs[test_id], (test_id, outputs[test_id])
-    assert "NotImplementedError" in outputs["test_add_refuses_only_what_can_never_run"]
+    """A setup cell whose replay_schedule reports a correct scheduler's decisions (the learner's Scheduler is a
+    stub) is not run: the grader runs the lab's own setup code, says so, and the stub earns nothing."""
+    check_setup_edit_earns_nothing(batch, "replay_that_ignores_the_scheduler")
+
+
+def test_a_graded_cell_that_binds_the_replay_again_earns_nothing(batch):
+    """The same replay defined in a graded cell: the hidden tests get the setup's replay_schedule, whose
+    globals are the setup's own, so the learner's stub Scheduler is what runs."""
+    check_tamper_earns_nothing(batch, "graded_cell_that_rebinds_the_replay")

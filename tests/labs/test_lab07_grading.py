@@ -3,8 +3,8 @@ hidden test aimed at it (and keeps the others), and tampered submissions earn no
 
 The fixture notebooks are made from solutions/ and labs/ by text substitution and graded in one batch
 (``jobs=2``) against a copy of the hidden tests. Engines are compared through the notebook's ``run_engine``,
-which a learner can edit: one hidden test drives the learner's Engine through its handles, so a setup cell
-whose driver runs a correct engine of its own does not earn that test's points.
+the lab's setup code: the grader runs the lab's own, so a setup cell edited to drive a correct engine of its
+own (and never the learner's) earns nothing, nor does a graded cell that binds ``run_engine`` again.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from helpers.grading_utils import (
     cell,
     check_blank_lab_scores_zero,
     check_planted_bug_is_caught,
+    check_setup_edit_earns_nothing,
     check_solution_scores_full_marks,
     check_tamper_earns_nothing,
     lying,
+    prepend,
 )
 
 from autograder.sandbox.limits import Limits
@@ -107,18 +109,27 @@ def run_engine(engine_class, requests, settings=None, aborts=None, digest=False)
 """
 
 
-def _driver_ignores_the_engine(nb: dict) -> None:
+def _own_driver() -> str:
     solution = json.loads(SOLUTION.read_text())
     own = "\n\n".join(
         "".join(cell(solution, g)["source"]) for g in ("layout-batch", "stop-rules", "detokenizer", "engine")
     )
+    return OWN_DRIVER.format(own=own)
+
+
+def _setup_driver_ignores_the_engine(nb: dict) -> None:
     setup = cell(nb, "setup")
-    setup["source"] = "".join(setup["source"]) + OWN_DRIVER.format(own=own)
+    setup["source"] = "".join(setup["source"]) + _own_driver()
+
+
+def _graded_cell_rebinds_the_driver(nb: dict) -> None:
+    prepend(nb, "static", _own_driver())
 
 
 TAMPERED = {
     "containers_that_claim_equality": _lying,
-    "driver_that_ignores_the_engine": _driver_ignores_the_engine,
+    "setup_driver_that_ignores_the_engine": _setup_driver_ignores_the_engine,
+    "graded_cell_that_rebinds_the_driver": _graded_cell_rebinds_the_driver,
 }
 
 
@@ -185,8 +196,13 @@ def test_containers_that_lie_about_equality_earn_nothing(batch):
     check_tamper_earns_nothing(batch, "containers_that_claim_equality")
 
 
-def test_a_driver_that_ignores_the_engine_loses_the_handle_test(batch):
-    """The notebook's run_engine reports a correct engine's results, but the learner's Engine is a stub: the
-    test that drives it through its handles gives it away."""
-    status = {t.id: t.status for t in batch["tamper_driver_that_ignores_the_engine"].tests}
-    assert status["test_engine_through_its_handles"] == "failed"
+def test_an_edited_setup_cell_earns_nothing_and_is_noted(batch):
+    """A setup cell whose run_engine runs a correct engine of its own and never the learner's (a stub) is not
+    run: the grader runs the lab's own setup code, says so, and the stub earns what a blank lab does."""
+    check_setup_edit_earns_nothing(batch, "setup_driver_that_ignores_the_engine")
+
+
+def test_a_graded_cell_that_binds_the_driver_again_earns_nothing(batch):
+    """The same driver defined in a graded cell: the hidden tests get the setup's run_engine, whose globals
+    are the setup's own, so the learner's stub Engine is what runs."""
+    check_tamper_earns_nothing(batch, "graded_cell_that_rebinds_the_driver")

@@ -15,9 +15,16 @@ Landlock where the kernel offers it, and an import blocker that names why a bloc
 missing (under bubblewrap such modules are not in the sandbox's file system at all).
 Each request carries an id that its reply repeats, so a reply written ahead of time is refused.
 
+The lab's setup code runs in a namespace of its own, and its names are then copied into the notebook's:
+graded code uses them as in the notebook, but a graded cell that binds one of them again changes neither
+what the setup's own functions see as their globals nor what the grader gets when it asks for that name
+(it gets the setup's object; a graded name is always the notebook's). This keeps the lab's helpers the
+lab's against plain rebinding only: code that rewrites their objects in place can still change them, so
+the tests that count read the graded objects back through their handles.
+
 Requests (one JSON object each, see `autograder.sandbox.runtime.codec` for framing and values)::
 
-    {"op": "load", "cells": [{"id": ..., "source": ...}], "graded": {...}}   run the cells
+    {"op": "load", "cells": [{"id", "source", "setup"}], "graded": {...}}   run the cells
     {"op": "get", "target": handle or null, "name": str}                    an attribute / global
     {"op": "call", "target": handle, "args": [...], "kwargs": {...}}         call a handle
     {"op": "hold", "value": ...}                                            keep a copy, answer a handle
@@ -56,6 +63,9 @@ class Worker:
 
     def __init__(self) -> None:
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+        # The setup code's globals, apart from the notebook's (see the module docstring).
+        self.setup: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+        self.graded_names: set[str] = set()
         self.handles: dict[int, Any] = {}
         # Like IPython: a cell's `from __future__ import ...` holds for the cells after it, and the
         # worker's own future imports do not leak into the submission's code.
@@ -82,15 +92,19 @@ class Worker:
     def load(self, cells: list[dict], graded: dict[str, list[str]]) -> dict:
         """Run the cells in order in one namespace; a cell that raises does not stop the next."""
         results = []
+        self.graded_names = {name for names in graded.values() for name in names}
         for cell in cells:
             filename = f"{CELL_PREFIX}{cell['id']}>"
             source = cell["source"]
             linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+            namespace = self.setup if cell.get("setup") else self.namespace
             try:
-                exec(self.compile(source, filename, "exec"), self.namespace)
+                exec(self.compile(source, filename, "exec"), namespace)
                 results.append({"id": cell["id"], "error": None})
             except BaseException as e:  # noqa: B036 - SystemExit in a cell is the cell's failure
                 results.append({"id": cell["id"], "error": describe(e)})
+            if cell.get("setup"):
+                self.namespace.update((k, v) for k, v in self.setup.items() if not k.startswith("__"))
         origins = {name: self.origin(name) for names in graded.values() for name in names}
         return {"cells": results, "origins": origins}
 
@@ -104,6 +118,8 @@ class Worker:
 
     def get(self, target: Any, name: str) -> Any:
         if target is None:
+            if name in self.setup and name not in self.graded_names and not name.startswith("__"):
+                return self.setup[name]
             if name not in self.namespace:
                 raise NameError(f"name {name!r} is not defined")
             return self.namespace[name]
