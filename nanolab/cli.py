@@ -49,10 +49,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
     print(f"nanolab {__version__}")
     print(f"kernels: {_ext.backend()}" + ("" if _ext.HAS_C else f" ({_ext.why_pure})"))
     try:
-        from autograder.sandbox.isolation import status
+        from autograder.sandbox import cgroups, isolation
     except ImportError:  # nanolab installed without its grader
         return 0
-    print(f"grading {status().describe()}")  # whether `nanolab grade` runs submissions in bubblewrap
+    print(f"grading {isolation.status().describe()}")  # whether `nanolab grade` runs submissions in bubblewrap
+    print(f"grading {cgroups.status().describe()}")  # and in a cgroup each
     return 0
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from autograder.grading.feedback import clean
 from autograder.grading.grade import GradeOptions, grade
 from autograder.grading.results import print_table, write_csv, write_gradescope, write_json
-from autograder.sandbox import isolation
+from autograder.sandbox import cgroups, isolation
 from autograder.sandbox.limits import DEFAULT_MEMORY_MB, Limits
 from autograder.submission.suite import EXTRA
 
@@ -131,9 +131,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _say_which_sandbox() -> None:
-    """Print, as soon as it is known, whether submissions run in a bubblewrap sandbox."""
-    status = isolation.status()
-    print(("" if status.available else "WARNING: ") + status.describe(), file=sys.stderr, flush=True)
+    """Print, as soon as it is known, whether submissions run in a bubblewrap sandbox and in cgroups."""
+    for status in (isolation.status(), cgroups.status()):
+        print(("" if status.available else "WARNING: ") + status.describe(), file=sys.stderr, flush=True)
 
 
 def _raise_soft_limits() -> None:

@@ -96,6 +96,10 @@ for i, source in enumerate(spec["sources"]):
     else:
         open(target, "w").close()
     check(libc.mount(source.encode(), target.encode(), None, 0x1000 | 0x4000, None), "bind " + source)
+disk = spec["disk"]  # the sandbox's tmpfs, limited in bytes and in files (bubblewrap's --tmpfs has no inode limit)
+os.mkdir(f"{stage}/sandbox")
+options = f"mode=0700,size={disk['bytes']},nr_inodes={disk['inodes']},uid={spec['uid']},gid={spec['uid']}"
+check(libc.mount(b"tmpfs", f"{stage}/sandbox".encode(), b"tmpfs", 0x2 | 0x4, options.encode()), "sandbox tmpfs")
 check(libc.mount(stage.encode(), b"/tmp", None, 0x1000 | 0x4000, None), "stage over /tmp")
 uid = spec["uid"]
 os.setgroups([])
@@ -310,10 +314,12 @@ def command(
     tmpfs_mb: int,
     host_dir: Path,
     blocked: tuple[str, ...] = (),
+    tmpfs_inodes: int = 10_000,
 ) -> list[str]:
     """The argv that runs ``inner`` in a fresh sandbox holding ``modules``' packages but never a
     ``blocked`` one (should one be a dependency), with ``env`` as its whole environment and a tmpfs of
-    ``tmpfs_mb`` MB. As root it goes through the launcher, which stages the binds in ``host_dir/stage``."""
+    ``tmpfs_mb`` MB. As root it goes through the launcher, which stages the binds in ``host_dir/stage`` and
+    mounts the tmpfs itself, so that it holds at most ``tmpfs_inodes`` files too."""
     bwrap = shutil.which("bwrap") or "bwrap"
     binds: list[tuple[str, str]] = []  # (host path, sandbox path), bound read-only
     args = ["--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
@@ -349,7 +355,10 @@ def command(
     for masked in _masked(trees):
         args += ["--size", "4096", "--tmpfs", masked, "--remount-ro", masked]
     args += ["--proc", "/proc", "--dev", "/dev"]
-    args += ["--size", str(tmpfs_mb << 20), "--perms", "0700", "--tmpfs", SANDBOX_DIR]
+    if os.geteuid() == 0:
+        args += ["--bind", "/tmp/sandbox", SANDBOX_DIR]  # the launcher's tmpfs, staged with the binds
+    else:
+        args += ["--size", str(tmpfs_mb << 20), "--perms", "0700", "--tmpfs", SANDBOX_DIR]
     args += ["--perms", "0700", "--dir", WORK_DIR, "--symlink", WORK_DIR, "/tmp"]
     args += ["--remount-ro", "/", "--chdir", WORK_DIR]
     args += ["--clearenv"] + [a for key, value in env.items() for a in ("--setenv", key, value)]
@@ -358,6 +367,7 @@ def command(
         return argv
     (host_dir / "stage").mkdir(mode=0o700, exist_ok=True)
     spec = {"stage": str(host_dir / "stage"), "sources": sources, "uid": SANDBOX_UID, "argv": argv}
+    spec["disk"] = {"bytes": tmpfs_mb << 20, "inodes": tmpfs_inodes}
     return [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(spec)]
 
 

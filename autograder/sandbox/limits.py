@@ -28,9 +28,23 @@ class Limits:
     confine_writes: bool = True  # Landlock: no writes outside the working directory
     isolate: bool | None = None  # bubblewrap: None where it can run (`isolation.status`); False: never
     disk_mb: int = 128  # the size of the sandbox's tmpfs (under bubblewrap, all it may write)
-    tasks: int = 256  # processes and threads the sandbox may have at once (under bubblewrap)
+    disk_files: int = 10_000  # files and folders its tmpfs may hold (under bubblewrap, as root)
+    tasks: int = (
+        256  # processes and threads the sandbox may have at once (under bubblewrap; its cgroup's cap)
+    )
+    cgroup: bool = True  # a cgroup of its own where the grader can make one (`cgroups.status`); False: never
+    cpus: float = 1.0  # its cgroup's CPU quota: CPU seconds per wall-clock second, all its processes together
+    group_memory_mb: int | None = None  # its cgroup's memory, all processes, tmpfs and shared memory included
+    # (None: the address space, the tmpfs, and 1 GB for the interpreter and its preloads)
     grader_memory_mb: int = 3072  # address space a grading worker may map on top of its start
     watchdog: float | None = None  # wall clock for a notebook's grading worker (None: `watchdog_s`)
+
+    @property
+    def sandbox_memory_mb(self) -> int:
+        """The memory limit of the sandbox's cgroup (see ``group_memory_mb``)."""
+        if self.group_memory_mb is not None:
+            return self.group_memory_mb
+        return (self.memory_mb or DEFAULT_MEMORY_MB) + self.disk_mb + 1024
 
     @property
     def watchdog_s(self) -> float:

@@ -10,8 +10,10 @@ process of the sandbox is then killed (`autograder.sandbox.proctree`) and the `S
 session, `autograder.grading.session`, decides whether to start a fresh one).
 
 Limits: address space (``memory_mb`` on top of what the interpreter and the preloaded modules map),
-CPU seconds, written file size, the size of its tmpfs, wall clock per call; writes outside its
-directory are refused (bubblewrap's read-only file system, and Landlock where the kernel has it).
+CPU seconds, written file size, the size of its tmpfs, wall clock per call; and, where the grader can
+make one, a cgroup of its own (`autograder.sandbox.cgroups`) for the CPU share and quota, the memory and the
+processes of all its processes together. Writes outside its directory are refused (bubblewrap's read-only
+file system, and Landlock where the kernel has it).
 What crosses back is described in `autograder.sandbox.remote`.
 """
 
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autograder.sandbox import isolation, proctree
+from autograder.sandbox import cgroups, isolation, proctree
 from autograder.sandbox.cleanup import remove_tree
 from autograder.sandbox.limits import DEFAULT_MEMORY_MB, Limits
 from autograder.sandbox.remote import Remote, RemoteError, SandboxFailure
@@ -59,6 +61,7 @@ class Sandbox:
     load_report: dict | None = None
     _proc: subprocess.Popen | None = None
     _dir: Path | None = None
+    _group: cgroups.Group | None = None
     _rfd: int | None = None
     _wfd: int | None = None
 
@@ -86,6 +89,9 @@ class Sandbox:
         isolate = self.limits.isolate
         self.isolated = isolation.status().available if isolate is None else isolate
         self._dir = Path(isolation.make_host_dir())
+        budget = cgroups.Budget(self.limits.sandbox_memory_mb, self.limits.cpus, self.limits.tasks)
+        # None where cgroups cannot be had (`cgroups.status` says why)
+        self._group = cgroups.create(budget) if self.limits.cgroup else None
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         config = {
@@ -106,7 +112,15 @@ class Sandbox:
             inner = [isolation.interpreter(), "-I", "-S", "-B", "-c", isolation.BOOT, *fds]
             modules = (*self.preload, *self.packages)
             env = isolation.environment(home)
-            argv = isolation.command(inner, env, modules, self.limits.disk_mb, self._dir, tuple(self.blocked))
+            argv = isolation.command(
+                inner,
+                env,
+                modules,
+                self.limits.disk_mb,
+                self._dir,
+                tuple(self.blocked),
+                self.limits.disk_files,
+            )
             cwd, env = "/", {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
         else:
             cwd = self._dir / "work"
@@ -126,6 +140,7 @@ class Sandbox:
                 stderr=subprocess.STDOUT,
                 pass_fds=(to_child_r, from_child_w),
                 start_new_session=True,
+                preexec_fn=self._group.join if self._group is not None else None,  # before bubblewrap starts
             )
         finally:
             log.close()
@@ -177,6 +192,9 @@ class Sandbox:
                 except OSError:
                     pass
         self._proc, self._rfd, self._wfd = None, None, None
+        if self._group is not None:
+            self._group.remove()
+            self._group = None
         if self._dir is not None:
             remove_tree(self._dir)
             self._dir = None
@@ -314,6 +332,12 @@ class Sandbox:
                 self._proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+        if self._group is not None:  # whatever is left in its cgroup (a plain process's own sessions)
+            for pid in self._group.pids():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
 
     def _exit_reason(self) -> str:
         if self._proc is None or self._proc.poll() is None:

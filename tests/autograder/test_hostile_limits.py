@@ -13,6 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
 from helpers.grading_utils import STUB, sub
 
 from autograder.grading.grade import DEFAULT_TESTS_DIR, GradeOptions, grade
@@ -189,6 +190,42 @@ def test_without_bubblewrap_the_worker_still_kills_what_a_submission_detached(tm
             pass
     assert not left, "a detached process outlived its notebook's grading"
     assert not list(private_tmp.iterdir()), "the grading left directories behind"
+
+
+SPINNERS = """
+import os
+
+for _ in range(24):  # busy processes, each in a session (and so a scheduling group) of its own
+    if os.fork() == 0:
+        os.setsid()
+        while True:
+            pass
+"""
+
+
+def test_a_notebook_that_starts_many_busy_sessions_leaves_its_neighbour_its_score(tmp_path):
+    """A submission that starts 24 busy processes, each in a session of its own, while it is graded slowly,
+    takes no more than its cgroup's quota: the solution graded beside it keeps full marks. (Without a cgroup
+    each session is a scheduling group of its own, and the neighbour's calls run out of time.)"""
+    from autograder.sandbox import cgroups
+
+    if not cgroups.status().available:
+        if os.environ.get("NANOLAB_SANDBOX_TEST") == "required":
+            pytest.fail(f"cgroups are required here: {cgroups.status().reason}", pytrace=False)
+        pytest.skip(f"no cgroups for sandboxes here: {cgroups.status().reason}")
+    nb = json.loads(LAB.read_text())
+    for grade_id in GRADED[:4]:
+        sub(nb, grade_id, STUB, "import time; time.sleep(1.5); return []")
+    cell = next(c for c in nb["cells"] if c["metadata"].get("nbgrader", {}).get("grade_id") == "tokenizer")
+    cell["source"] = SPINNERS + DAWDLER
+    hostile, neighbour = tmp_path / "spinner.ipynb", tmp_path / "neighbour.ipynb"
+    hostile.write_text(json.dumps(nb))
+    neighbour.write_text(SOLUTION.read_text())
+    limits = Limits(call_timeout_s=3, load_timeout_s=30, notebook_s=40, cpu_s=600)
+    spinner, solution = grade([hostile, neighbour], GradeOptions(limits=limits), jobs=2, progress=False)
+    assert spinner.score == 0
+    failed = {t.id: t.output for t in solution.tests if t.status != "passed"}
+    assert solution.score == solution.max_score, failed
 
 
 def test_a_sandbox_launched_early_is_still_there_for_the_first_test():

@@ -288,3 +288,17 @@ def test_nanolab_info_says_which_sandbox_grading_uses(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "NOT ISOLATED (bubblewrap (bwrap) is not installed)" in out
     assert "apt-get install bubblewrap" in out and "container" in out
+
+
+def test_nanolab_info_says_whether_sandboxes_get_cgroups(capsys, monkeypatch):
+    """``nanolab info`` says whether each sandbox gets a cgroup; where it cannot, why, and what that loses."""
+    from autograder.sandbox import cgroups
+    from nanolab.cli import main
+
+    assert main(["info"]) == 0
+    assert "grading cgroups:" in capsys.readouterr().out
+    missing = cgroups.Status(False, reason="no v1 memory hierarchy")
+    monkeypatch.setattr(cgroups, "status", lambda: missing)
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "cgroups: NONE (no v1 memory hierarchy)" in out and "shared memory" in out
