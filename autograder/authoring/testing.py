@@ -27,6 +27,11 @@ The contract:
 - ``lab.hold(value)`` copies plain data into the sandbox and keeps it there; the handle it returns
   reaches the learner's code as that object, and ``lab.peek(handle)`` reads it back afterwards, so a
   test can check that a call leaves its input unchanged (arguments are otherwise copied both ways).
+- ``lab.set(obj, name, value)`` plays the engine's part on an object of the notebook (``obj.name = value``
+  there; ``value`` is data, or a handle for that object itself, such as ``lab.ref(lab.RequestStatus,
+  "FINISHED")``, which is an attribute as a handle even where it would cross as data). A test that drives
+  the learner's object from here, rather than through a helper of the notebook, judges only decisions that
+  object made.
 - ``lab.time_limit(s)`` gives the calls in a block another wall-clock limit; ``lab.cpu_seconds()`` is
   the CPU time the learner's processes have used, read by the grader itself, which is what a speed
   budget should measure (against the reference's ``time.thread_time()``): neither depends on how
@@ -92,6 +97,14 @@ class Learner:
     def peek(self, held: Remote) -> Any:
         """What the object behind ``held`` is now, as plain data."""
         return self._session.ready().value(held)
+
+    def set(self, obj: Remote, name: str, value: Any) -> None:
+        """``obj.name = value`` in the learner's process (see the module docstring)."""
+        self._session.ready().set(obj, name, value)
+
+    def ref(self, obj: Remote, name: str) -> Remote:
+        """``obj.name`` as a handle, also where it would cross as data (see the module docstring)."""
+        return self._session.ready().ref(obj, name)
 
     def time_limit(self, seconds: float) -> AbstractContextManager[None]:
         """``with lab.time_limit(s):`` gives each call inside the block ``s`` seconds of wall clock

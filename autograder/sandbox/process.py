@@ -229,6 +229,19 @@ class Sandbox:
             raise SandboxFailure("the submission's process did not keep the object it was asked to hold")
         return held
 
+    def set(self, target: Remote, name: str, value: Any, timeout: float | None = None) -> None:
+        """``target.name = value`` in the sandbox (``value``: data, or a handle for the object itself)."""
+        message = {"op": "set", "target": self._handle(target), "name": name, "value": self._encode(value)}
+        self._request(message, timeout)
+
+    def ref(self, target: Remote, name: str, timeout: float | None = None) -> Remote:
+        """``target.name`` as a handle, also where it would cross as data (an enum member, to `set` it)."""
+        got = self._request({"op": "ref", "target": self._handle(target), "name": name}, timeout)
+        if not isinstance(got, Remote):
+            self._kill()
+            raise SandboxFailure("the submission's process did not answer a handle where one was asked for")
+        return got
+
     def value(self, target: Remote, timeout: float | None = None) -> Any:
         """The object behind ``target`` sent back as plain data (as a handle if it is not data)."""
         return self._request({"op": "value", "target": self._handle(target)}, timeout)

@@ -164,6 +164,39 @@ def replay_schedule(scheduler, events, new_request=None):
 """
 
 
+# A graded cell that rewrites the setup's replay_schedule in place (its code object, so every holder of the
+# function runs the new code): it plays a correct scheduler of its own (the solution's code), then copies that
+# scheduler's state onto the learner's stub and the stub's allocator, so that reading them back agrees with the
+# records (Labs 4 and 5).
+IN_PLACE_REPLAY = """
+import types as _types
+
+replay_schedule.__globals__["_plain_replay"] = _types.FunctionType(
+    replay_schedule.__code__, replay_schedule.__globals__, "_plain_replay", replay_schedule.__defaults__
+)
+
+
+def _rewritten(scheduler, events, new_request=None):
+    namespace = dict(globals())
+    exec({own!r}, namespace)
+    blocks = scheduler.block_manager
+    allocator = BlockAllocator(blocks.allocator.num_total)
+    own = namespace["Scheduler"](scheduler.config, BlockManager(allocator, blocks.block_size))
+    records = _plain_replay(own, events, new_request)
+    scheduler.__dict__.update(own.__dict__)
+    blocks.allocator.__dict__.update(allocator.__dict__)
+    return records
+
+
+replay_schedule.__code__ = _rewritten.__code__
+"""
+
+
+def replay_rewritten_in_place(nb: dict, own: str, graded_cell: str) -> None:
+    """Put `IN_PLACE_REPLAY`, playing ``own`` (a correct scheduler's code), at the start of ``graded_cell``."""
+    prepend(nb, graded_cell, IN_PLACE_REPLAY.format(own=own))
+
+
 def replay_ignoring_the_scheduler(nb: dict, own: str, graded_cell: str | None = None) -> None:
     """Define a replay_schedule that runs ``own`` (a correct scheduler's code) instead of the scheduler it is
     given: at the end of the setup cell, or (``graded_cell``) at the start of that graded cell."""

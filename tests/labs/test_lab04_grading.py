@@ -26,6 +26,7 @@ from helpers.grading_utils import (
     check_tamper_earns_nothing,
     lying,
     replay_ignoring_the_scheduler,
+    replay_rewritten_in_place,
 )
 
 from autograder.sandbox.limits import Limits
@@ -174,10 +175,17 @@ def _graded_cell_rebinds_the_replay(nb: dict) -> None:
     )
 
 
+def _replay_rewritten_in_place(nb: dict) -> None:
+    replay_rewritten_in_place(
+        nb, _solution_code("transitions", "policies", "victim", "scheduler"), "scheduler"
+    )
+
+
 TAMPERED = {
     "containers_that_claim_equality": _lying,
     "replay_that_ignores_the_scheduler": _replay_ignores_the_scheduler,
     "graded_cell_that_rebinds_the_replay": _graded_cell_rebinds_the_replay,
+    "replay_rewritten_in_place": _replay_rewritten_in_place,
 }
 
 
@@ -258,3 +266,10 @@ def test_a_graded_cell_that_binds_the_replay_again_earns_nothing(batch):
     """The same replay defined in a graded cell: the hidden tests get the setup's replay_schedule, whose
     globals are the setup's own, so the learner's stub Scheduler is what runs."""
     check_tamper_earns_nothing(batch, "graded_cell_that_rebinds_the_replay")
+
+
+def test_a_replay_rewritten_in_place_earns_nothing(batch):
+    """A graded cell that rewrites the setup's replay_schedule in place to play a correct scheduler of its own,
+    and copies that scheduler's state onto the learner's stub, earns nothing: the Scheduler's tests drive it
+    from the grader through its handle, and the speed test first checks that it works when so driven."""
+    check_tamper_earns_nothing(batch, "replay_rewritten_in_place")

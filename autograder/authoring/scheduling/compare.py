@@ -28,6 +28,9 @@ from nanolab.engine.scheduler import Scheduler
 def first_difference(
     mine: list, theirs: list, events: list[tuple], chunked: bool = False
 ) -> tuple[int, str] | None:
+    if len(mine) != len(theirs):  # zip below would stop at the shorter: an empty record list never differs
+        i = min(len(mine), len(theirs))
+        return i, f"replay_schedule returned {len(mine)} records for {len(theirs)} events"
     for i, (a, b) in enumerate(zip(mine, theirs)):
         a, b = comparable(a), comparable(b)
         if a == b:
@@ -161,9 +164,10 @@ def check_speed(lab, cfg: dict, events: list[tuple], what: str) -> None:
     scheduler (the best of 3 runs) + 0.5 s. Each side is timed by its own CPU time (the reference's thread
     here, the learner's processes as the grader reads them), so a busy machine does not move the budget.
     ``what`` says what the workload is, for the message."""
-    learner_replay(
-        lab, dict(cfg, num_blocks=8, max_num_seqs=2), events[:2] + [("step",)]
-    )  # fail fast if missing
+    # Only a Scheduler that works when the grader drives it may earn the speed points: the notebook's
+    # replay_schedule, timed below, runs in the learner's process, where a graded cell could rewrite it.
+    head = [e for e in events if e[0] == "add"][:12] + [("step",)] * 5
+    compare_with_reference(lab, cfg, head, f"before {what}, 12 of its requests and 5 steps")
     timings = []
     for _ in range(3):
         start = time.thread_time()
@@ -174,13 +178,20 @@ def check_speed(lab, cfg: dict, events: list[tuple], what: str) -> None:
     with lab.time_limit(2 * budget + 5.0):
         before = lab.cpu_seconds()
         got = expect(lab.replay_schedule(scheduler, events), list, "replay_schedule(...)")
+        # the Scheduler's own final state, read inside the timed window: work put off until it is read counts
+        state_error = None
+        try:
+            check_state(scheduler, allocator, reference, "on the speed workload")
+        except AssertionError as e:
+            state_error = e
         elapsed = lab.cpu_seconds() - before
     diff = first_difference(got, want, events, cfg.get("chunked", False))
     if diff is not None:
         raise AssertionError(
             f"only a correct result counts: on this workload, {where(events, diff[0])}: {diff[1]}"
         )
-    check_state(scheduler, allocator, reference, "on the speed workload")
+    if state_error is not None:
+        raise state_error
     assert elapsed <= budget, (
         f"{what} took {elapsed:.2f} s of CPU time; the budget is {budget:.2f} s (20x nanolab's scheduler + "
         "0.5 s): a step should do a few operations per running request, not work that grows with their number "

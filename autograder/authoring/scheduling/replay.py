@@ -4,7 +4,7 @@ around each (``replay_schedule``), and their records made comparable.
 
 from __future__ import annotations
 
-from autograder.authoring.testing import Remote, expect
+from autograder.authoring.testing import Remote, RemoteError, expect
 from labkit.lab04 import replay_schedule  # the notebook's own replay (its setup cell's source)
 from nanolab import PyBlockAllocator
 from nanolab.engine.config import EngineConfig
@@ -62,13 +62,79 @@ def learner_scheduler(lab, cfg: dict):
 
 
 def learner_replay(lab, cfg: dict, events: list[tuple]) -> tuple[list, Remote, Remote]:
-    """The learner's Scheduler through the notebook's replay_schedule: the records, and the scheduler
-    and its allocator (handles) to check afterwards."""
+    """The learner's Scheduler driven from here (`driven_replay`): the records, and the scheduler and its
+    allocator (handles) to check afterwards."""
+    records, scheduler, allocator = driven_replay(lab, cfg, events)
+    assert len(records) == len(events), "replay_schedule should return one record per event"
+    return records, scheduler, allocator
+
+
+def notebook_replay(lab, cfg: dict, events: list[tuple]) -> tuple[list, Remote, Remote]:
+    """The learner's Scheduler through the notebook's replay_schedule (one call, run in the sandbox: for the
+    speed test): the records, and the scheduler and its allocator (handles) to check afterwards."""
     scheduler, allocator = learner_scheduler(lab, cfg)
     records = expect(lab.replay_schedule(scheduler, events), list, "replay_schedule(Scheduler(...), events)")
     assert len(records) == len(events), "replay_schedule should return one record per event"
     for record in records:
         expect(record, tuple, "each record of replay_schedule(...)")
+    return records, scheduler, allocator
+
+
+def driven_replay(lab, cfg: dict, events: list[tuple]) -> tuple[list, Remote, Remote]:
+    """replay_schedule's records, made here rather than by the notebook's helper: the grader plays the engine's
+    part, calling the learner's Scheduler through its handle and keeping the notebook's requests' tokens and
+    states itself (`lab.set`), so every decision recorded is one the Scheduler itself made. Slower than the
+    notebook's replay (a round trip per read), so for the workloads of the engine tests. Returns the records,
+    and the scheduler and its allocator (handles)."""
+    scheduler, allocator = learner_scheduler(lab, cfg)
+    status, reason = lab.RequestStatus, lab.FinishReason
+    finished = lab.ref(status, "FINISHED")
+    length, aborted = lab.ref(reason, "LENGTH"), lab.ref(reason, "ABORT")
+    live: dict = {}
+    records = []
+    for event in events:
+        try:
+            if event[0] == "add":
+                rid, prompt_len, output_len, priority, arrival = event[1:]
+                req = expect(lab.Request(rid, [1] * prompt_len, priority, arrival), Remote, "Request(...)")
+                scheduler.add(req)
+                live[rid] = (req, output_len)
+                record: tuple = ("ok",)
+            elif event[0] == "abort":
+                req, _ = live.pop(event[1])
+                scheduler.abort(req)
+                lab.set(req, "status", finished)
+                lab.set(req, "finish_reason", aborted)
+                record = ("ok",)
+            else:
+                out = scheduler.schedule()
+                scheduled = expect(out.scheduled, list, "SchedulerOutput.scheduled")
+                pairs = []
+                for entry in scheduled:
+                    req, n = expect(entry, tuple, "each entry of SchedulerOutput.scheduled")
+                    pairs.append((expect(req, Remote, "a scheduled request"), n))
+                ids = [req.request_id for req, _ in pairs]
+                batch = {rid: n for rid, (_, n) in zip(ids, pairs)}
+                tables = {
+                    rid: list(expect(req.block_table, list, "block_table"))
+                    for rid, (req, _) in zip(ids, pairs)
+                }
+                preempted = [r.request_id for r in expect(out.preempted, list, "SchedulerOutput.preempted")]
+                record = ("step", batch, preempted, tables)
+                for rid, (req, n) in zip(ids, pairs):
+                    computed = req.num_computed_tokens + n
+                    lab.set(req, "num_computed_tokens", computed)
+                    if computed == req.num_tokens:  # sampled: one more token
+                        outputs = [*req.output_token_ids, 0]
+                        lab.set(req, "output_token_ids", outputs)
+                        if len(outputs) >= live[rid][1]:
+                            scheduler.finish(req)
+                            lab.set(req, "status", finished)
+                            lab.set(req, "finish_reason", length)
+                            del live[rid]
+        except RemoteError as e:  # the learner's code raised: part of the behaviour being compared
+            record = ("error", e.type_name, e.message)
+        records.append(record)
     return records, scheduler, allocator
 
 

@@ -28,6 +28,8 @@ Requests (one JSON object each, see `autograder.sandbox.runtime.codec` for frami
     {"op": "get", "target": handle or null, "name": str}                    an attribute / global
     {"op": "call", "target": handle, "args": [...], "kwargs": {...}}         call a handle
     {"op": "hold", "value": ...}                                            keep a copy, answer a handle
+    {"op": "set", "target": handle, "name": str, "value": ...}              setattr (the engine's part)
+    {"op": "ref", "target": handle, "name": str}                            an attribute, as a handle
     {"op": "value", "target": handle}                                       a handle's object as data
     {"op": "ping"}
 
@@ -204,6 +206,11 @@ def serve(read_fd: int, write_fd: int) -> None:
                 value = worker.encode(worker.get(request.get("target"), request["name"]))
             elif op == "call":
                 value = worker.encode(worker.call(request["target"], request["args"], request["kwargs"]))
+            elif op == "set":
+                setattr(worker.decode(request["target"]), request["name"], worker.decode(request["value"]))
+                value = None
+            elif op == "ref":
+                value = worker.handle(worker.get(request["target"], request["name"]))
             elif op == "hold":
                 value = worker.handle(worker.decode(request["value"]))
             elif op == "value":
