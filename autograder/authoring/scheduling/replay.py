@@ -108,7 +108,7 @@ def driven_replay(lab, cfg: dict, events: list[tuple]) -> tuple[list, Remote, Re
                 record = ("ok",)
             else:
                 out = scheduler.schedule()
-                scheduled = expect(out.scheduled, list, "SchedulerOutput.scheduled")
+                scheduled = expect(out.scheduled, (list, tuple), "SchedulerOutput.scheduled")
                 pairs = []
                 for entry in scheduled:
                     req, n = expect(entry, tuple, "each entry of SchedulerOutput.scheduled")
@@ -116,10 +116,12 @@ def driven_replay(lab, cfg: dict, events: list[tuple]) -> tuple[list, Remote, Re
                 ids = [req.request_id for req, _ in pairs]
                 batch = {rid: n for rid, (_, n) in zip(ids, pairs)}
                 tables = {
-                    rid: list(expect(req.block_table, list, "block_table"))
+                    rid: list(expect(req.block_table, (list, tuple), "block_table"))
                     for rid, (req, _) in zip(ids, pairs)
                 }
-                preempted = [r.request_id for r in expect(out.preempted, list, "SchedulerOutput.preempted")]
+                preempted = [
+                    r.request_id for r in expect(out.preempted, (list, tuple), "SchedulerOutput.preempted")
+                ]
                 record = ("step", batch, preempted, tables)
                 for rid, (req, n) in zip(ids, pairs):
                     computed = req.num_computed_tokens + n
@@ -134,6 +136,8 @@ def driven_replay(lab, cfg: dict, events: list[tuple]) -> tuple[list, Remote, Re
                             del live[rid]
         except RemoteError as e:  # the learner's code raised: part of the behaviour being compared
             record = ("error", e.type_name, e.message)
+        except KeyError as e:  # an abort of a request that add refused, as replay_schedule records it
+            record = ("error", "KeyError", str(e))
         records.append(record)
     return records, scheduler, allocator
 
