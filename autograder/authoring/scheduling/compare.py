@@ -39,9 +39,11 @@ def first_difference(
         if a[0] == "error" or b[0] == "error":
             if kind == "add":
                 if b[0] == "error":
+                    yours = f"it raised {a[1]}" if a[0] == "error" else "it accepted it"
                     return (
                         i,
-                        f"add should refuse a request that can never run ({events[i][2]} tokens) with ValueError",
+                        f"add should refuse a request that can never run ({events[i][2]} tokens) with ValueError "
+                        f"({yours})",
                     )
                 return i, f"add refused a request of {events[i][2]} tokens that can run (it raised {a[1]})"
             if a[0] == "error":
