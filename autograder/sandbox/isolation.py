@@ -209,11 +209,15 @@ def _link_or_copy(source: str, target: str) -> None:
         shutil.copy2(source, target)
 
 
-def mirrored(source: str) -> str:
+def mirrored(source: str, copy: bool = True) -> str:
     """The host file or folder ``source`` as a mirror in the grader's temporary folder (hard links where the
     file system allows, copies otherwise), made once per process or batch and reused: what the sandbox binds
-    instead of ``source``, so that its mount table does not name the checkout or the grader's environment."""
+    instead of ``source``, so that its mount table does not name the checkout or the grader's environment.
+    With ``copy=False`` (a package such as torch, too big to copy for every batch) a source on another file
+    system than the temporary folder is bound as it is."""
     root = _mirror_root()
+    if not copy and os.stat(source).st_dev != os.stat(root).st_dev:
+        return source
     target = root / hashlib.sha256(source.encode()).hexdigest()[:16] / os.path.basename(source.rstrip("/"))
     with _mirror_lock:
         if target.exists():
@@ -339,7 +343,9 @@ def command(
     refused = {_module_key(name) for name in blocked}
     packages = lab_packages(modules) if modules else ()
     site_binds = [
-        (mirrored(path), f"{SITE_DIR}/{name}") for path, name in packages if _module_key(name) not in refused
+        (mirrored(path, copy=False), f"{SITE_DIR}/{name}")
+        for path, name in packages
+        if _module_key(name) not in refused
     ]
     sources = [source for source, _ in binds + site_binds]
     if os.geteuid() == 0:
