@@ -52,8 +52,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
         from autograder.sandbox import cgroups, isolation
     except ImportError:  # nanolab installed without its grader
         return 0
-    print(f"grading {isolation.status().describe()}")  # whether `nanolab grade` runs submissions in bubblewrap
-    print(f"grading {cgroups.status().describe()}")  # and in a cgroup each
+    # whether `nanolab grade` runs submissions in bubblewrap, and each in a cgroup of its own
+    print(f"grading {isolation.status().describe()}")
+    print(f"grading {cgroups.status().describe()}")
     return 0
 
 
