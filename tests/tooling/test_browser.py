@@ -32,7 +32,7 @@ CHECK_CELL = "check-pair-counts"
 CHECK_PASSED = "pair_counts: all checks passed"
 SHOTS = ROOT / "build" / "browser-test"
 # The grader's score line for the lab: the notebook, its lab number, points out of the lab's total.
-SCORE_LINE = re.compile(rf"^{re.escape(LAB)}\s+\d+\s+(\d+)/(\d+)\b", re.M)
+SCORE_LINE = re.compile(rf"^{re.escape(LAB)}\s+\d+\s+(\d+(?:\.\d+)?)/(\d+(?:\.\d+)?)(?![\d.])", re.M)
 INSTALL = "apt-get install -y chromium chromium-driver"
 
 # Everything the test reads from the page, in one call: per cell, its kind, prompt, outputs and errors.
@@ -307,7 +307,7 @@ def test_a_learner_runs_lab1_in_jupyterlab(tmp_path):
                 return SCORE_LINE.search(shown)
 
             score = page.wait(f"the score line of `{command}`", graded, 120)
-            points, total = int(score[1]), int(score[2])
+            points, total = float(score[1]), float(score[2])
             assert 0 < total == points, f"the solved copy scored {points}/{total}:\n{page.terminal()}"
             print(f"`{command}` in JupyterLab's terminal: {points}/{total}")
         except Exception as e:

@@ -202,7 +202,7 @@ def test_make_lab_terminals_start_in_the_working_copy(tmp_path):
         shown = asyncio.run(_run_in_terminal(lab, command, timeout=120))
         assert "does not exist" not in shown, f"`{command}` found no notebook:\n{shown}"
         # the score line: the notebook, its lab, points out of the lab's total (the copy is blank: 0 points)
-        assert re.search(rf"^{re.escape(LAB1)}\s+1\s+\d+/[1-9]\d*\s", shown, re.M), (
+        assert re.search(rf"^{re.escape(LAB1)}\s+1\s+[\d.]+/[1-9][\d.]*\s", shown, re.M), (
             f"`{command}` in the terminal showed no score:\n{shown}"
         )
 
