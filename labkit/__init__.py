@@ -10,3 +10,16 @@ A setup module mirrors the reference types its lab's graded code needs (nanolab'
 ``tests/labs/`` holds each lab to them) and may import only what graded code may: the standard library
 and the lab's packages.
 """
+
+from pathlib import Path
+
+
+def module_path(lab: int) -> Path:
+    """The file of Lab ``lab``'s setup module, ``labkit/labNN.py``."""
+    return Path(__file__).resolve().parent / f"lab{lab:02d}.py"
+
+
+def setup_text(lab: int) -> str:
+    """Lab ``lab``'s setup code as its notebook's ``setup`` cell holds it (``make labs`` writes it there, and the
+    grader runs it in place of the cell): the module's text without its final newline."""
+    return module_path(lab).read_text(encoding="utf-8").rstrip("\n")

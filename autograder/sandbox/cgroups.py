@@ -120,10 +120,6 @@ class Group:
                     time.sleep(0.02)
 
 
-def _write(path: Path, value: str) -> None:
-    path.write_text(value)
-
-
 def create(budget: Budget) -> Group | None:
     """A fresh cgroup for one sandbox with ``budget`` applied, or None where cgroups cannot be had."""
     known = status()
@@ -147,21 +143,21 @@ def _apply(kind: str, dirs: list[Path], budget: Budget) -> None:
     memory = str(budget.memory_mb << 20)
     if kind == "v2":
         (d,) = dirs
-        _write(d / "cpu.weight", str(budget.weight))
-        _write(d / "cpu.max", f"{quota} {PERIOD_US}")
-        _write(d / "memory.max", memory)
+        (d / "cpu.weight").write_text(str(budget.weight))
+        (d / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+        (d / "memory.max").write_text(memory)
         if (d / "memory.swap.max").exists():
-            _write(d / "memory.swap.max", "0")
-        _write(d / "pids.max", str(budget.tasks))
+            (d / "memory.swap.max").write_text("0")
+        (d / "pids.max").write_text(str(budget.tasks))
         return
     cpu, mem, pids = dirs
-    _write(cpu / "cpu.shares", str(max(2, budget.weight * 1024 // 100)))
-    _write(cpu / "cpu.cfs_period_us", str(PERIOD_US))
-    _write(cpu / "cpu.cfs_quota_us", str(quota))
-    _write(mem / "memory.limit_in_bytes", memory)
+    (cpu / "cpu.shares").write_text(str(max(2, budget.weight * 1024 // 100)))
+    (cpu / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+    (cpu / "cpu.cfs_quota_us").write_text(str(quota))
+    (mem / "memory.limit_in_bytes").write_text(memory)
     if (mem / "memory.memsw.limit_in_bytes").exists():  # memory and swap together: no escape to swap
-        _write(mem / "memory.memsw.limit_in_bytes", memory)
-    _write(pids / "pids.max", str(budget.tasks))
+        (mem / "memory.memsw.limit_in_bytes").write_text(memory)
+    (pids / "pids.max").write_text(str(budget.tasks))
 
 
 # ---------------------------------------------------------------------------------------------- discovery
@@ -226,7 +222,7 @@ def _v2_root(mounts, own) -> tuple[Path | None, str]:
     try:
         for c in CONTROLLERS:
             if c not in enabled:
-                _write(d / "cgroup.subtree_control", f"+{c}")
+                (d / "cgroup.subtree_control").write_text(f"+{c}")
     except OSError as e:
         return None, f"cannot hand the v2 controllers down from {d} ({e.strerror})"
     return d, ""

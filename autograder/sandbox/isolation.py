@@ -20,9 +20,9 @@ private mount namespace of a small launcher, `_LAUNCHER`) where that uid can rea
 that covers ``/tmp`` in that namespace only.
 
 A bind mount shows its source's path in the sandbox's ``/proc/self/mountinfo``, so the grader's own code
-and the lab's packages are bound from a mirror in the grader's temporary folder (`mirrored`: hard links
-where the file system allows, copies otherwise), never from the checkout or the environment the grader
-runs from.
+and the lab's packages are bound from a mirror in the grader's temporary folder (`mirrored`: hard links),
+never from the checkout or the environment the grader runs from. (The grader's few files are copied where
+links cannot be made; a package on another file system than that folder is bound where it is.)
 """
 
 from __future__ import annotations

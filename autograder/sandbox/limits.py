@@ -29,9 +29,7 @@ class Limits:
     isolate: bool | None = None  # bubblewrap: None where it can run (`isolation.status`); False: never
     disk_mb: int = 128  # the size of the sandbox's tmpfs (under bubblewrap, all it may write)
     disk_files: int = 10_000  # files and folders its tmpfs may hold (under bubblewrap, as root)
-    tasks: int = (
-        256  # processes and threads the sandbox may have at once (under bubblewrap; its cgroup's cap)
-    )
+    tasks: int = 256  # processes and threads it may have at once (under bubblewrap; and its cgroup's cap)
     cgroup: bool = True  # a cgroup of its own where the grader can make one (`cgroups.status`); False: never
     cpus: float = 1.0  # its cgroup's CPU quota: CPU seconds per wall-clock second, all its processes together
     group_memory_mb: int | None = None  # its cgroup's memory, all processes, tmpfs and shared memory included

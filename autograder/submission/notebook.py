@@ -36,7 +36,7 @@ class Submission:
     path: Path
     spec: LabSpec
     # [{"id": grade_id, "source": code, "setup": bool}] setup and graded cells, in notebook order; a setup
-    # cell's source is the lab's own (`setup_source`), whatever the notebook holds
+    # cell's source is the lab's own (`labkit.setup_text`), whatever the notebook holds
     cells: list[dict]
     warnings: list[str] = field(default_factory=list)
 
@@ -76,12 +76,6 @@ _MAGIC = re.compile(r"^(\s*)[%!].*$", re.M)
 def strip_magics(source: str) -> str:
     """Replace IPython-only lines (``%time``, ``!pip ...``) with ``pass``, keeping the indentation."""
     return _MAGIC.sub(lambda m: f"{m.group(1)}pass  # (IPython line removed by the grader)", source)
-
-
-def setup_source(spec: LabSpec) -> str:
-    """The lab's own setup code: the text of ``labkit/labNN.py``, as ``make labs`` writes it into the cell."""
-    module = Path(labkit.__file__).resolve().parent / f"lab{spec.number:02d}.py"
-    return module.read_text(encoding="utf-8").rstrip("\n")
 
 
 def read_notebook(path: Path) -> dict:
@@ -149,7 +143,7 @@ def read_submission(path: str | Path, lab: int | None = None) -> Submission:
             continue
         seen.add(grade_id)
         if grade_id in spec.setup_cells:
-            own = setup_source(spec)
+            own = labkit.setup_text(spec.number)
             if _source(cell).rstrip("\n") != own:
                 warnings.append(
                     f"the locked cell {grade_id!r} differs from the lab's own setup code; the grader ran the "

@@ -275,30 +275,25 @@ def test_the_cli_raises_a_lowered_soft_limit_and_says_when_it_cannot_write(tmp_p
 # ---------------------------------------------------------------------------------------------- telling
 
 
-def test_nanolab_info_says_which_sandbox_grading_uses(capsys, monkeypatch):
-    """``nanolab info`` names the sandbox; where there is none it says so, and how to get one."""
-    from autograder.sandbox import isolation
+@pytest.mark.parametrize(
+    "module, line, reason, says",
+    [
+        ("isolation", "sandbox", "bubblewrap (bwrap) is not installed", ["NOT ISOLATED (bubblewrap (bwrap) is not installed)", "apt-get install bubblewrap", "container"]),
+        ("cgroups", "cgroups", "no v1 memory hierarchy", ["cgroups: NONE (no v1 memory hierarchy)", "shared memory"]),
+    ],
+)  # fmt: skip
+def test_nanolab_info_says_what_isolates_grading(capsys, monkeypatch, module, line, reason, says):
+    """``nanolab info`` names the sandbox and whether each sandbox gets a cgroup; where one cannot be had, it
+    says why, what that loses and how to get it."""
+    from autograder.sandbox import cgroups, isolation
     from nanolab.cli import main
 
+    source = {"isolation": isolation, "cgroups": cgroups}[module]
     assert main(["info"]) == 0
-    assert "grading sandbox:" in capsys.readouterr().out
-    missing = isolation.Status(False, reason="bubblewrap (bwrap) is not installed")
-    monkeypatch.setattr(isolation, "status", lambda: missing)
-    assert main(["info"]) == 0
-    out = capsys.readouterr().out
-    assert "NOT ISOLATED (bubblewrap (bwrap) is not installed)" in out
-    assert "apt-get install bubblewrap" in out and "container" in out
-
-
-def test_nanolab_info_says_whether_sandboxes_get_cgroups(capsys, monkeypatch):
-    """``nanolab info`` says whether each sandbox gets a cgroup; where it cannot, why, and what that loses."""
-    from autograder.sandbox import cgroups
-    from nanolab.cli import main
-
-    assert main(["info"]) == 0
-    assert "grading cgroups:" in capsys.readouterr().out
-    missing = cgroups.Status(False, reason="no v1 memory hierarchy")
-    monkeypatch.setattr(cgroups, "status", lambda: missing)
+    assert f"grading {line}:" in capsys.readouterr().out
+    missing = source.Status(False, reason=reason)
+    monkeypatch.setattr(source, "status", lambda: missing)
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    assert "cgroups: NONE (no v1 memory hierarchy)" in out and "shared memory" in out
+    for phrase in says:
+        assert phrase in out, phrase

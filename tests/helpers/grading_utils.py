@@ -229,3 +229,39 @@ def solution_namespace(name: str) -> dict:
     for c in read_submission(Path(__file__).resolve().parents[2] / "solutions" / name).cells:
         exec(compile(c["source"], f"<cell {c['id']}>", "exec"), module.__dict__)
     return module.__dict__
+
+
+# -- the scheduler labs (4 and 5): the same replay tampers, and the same tests of them
+
+
+def scheduler_tampers(own: str) -> dict[str, Callable[[dict], None]]:
+    """Lab 4's and Lab 5's replay tampers, each playing ``own`` (a correct scheduler's code) instead of the
+    learner's stub: from an edited setup cell, from the same replay defined in the graded cell ``scheduler``,
+    and from that cell rewriting the setup's replay in place (`IN_PLACE_REPLAY`)."""
+    return {
+        "replay_that_ignores_the_scheduler": lambda nb: replay_ignoring_the_scheduler(nb, own),
+        "graded_cell_that_rebinds_the_replay": lambda nb: replay_ignoring_the_scheduler(nb, own, "scheduler"),
+        "replay_rewritten_in_place": lambda nb: replay_rewritten_in_place(nb, own, "scheduler"),
+    }
+
+
+# Imported by the scheduler labs' grading modules, which pytest then collects them in (with their `batch`).
+
+
+def test_a_replay_that_ignores_the_scheduler_earns_nothing(batch):
+    """A setup cell whose replay_schedule reports a correct scheduler's decisions (the learner's Scheduler is a
+    stub) is not run: the grader runs the lab's own setup code, says so, and the stub earns nothing."""
+    check_setup_edit_earns_nothing(batch, "replay_that_ignores_the_scheduler")
+
+
+def test_a_graded_cell_that_binds_the_replay_again_earns_nothing(batch):
+    """The same replay defined in a graded cell: the hidden tests get the setup's replay_schedule, whose
+    globals are the setup's own, so the learner's stub Scheduler is what runs."""
+    check_tamper_earns_nothing(batch, "graded_cell_that_rebinds_the_replay")
+
+
+def test_a_replay_rewritten_in_place_earns_nothing(batch):
+    """A graded cell that rewrites the setup's replay_schedule in place to play a correct scheduler of its own,
+    and copies that scheduler's state onto the learner's stub, earns nothing: the Scheduler's tests drive it
+    from the grader through its handle, and the speed test first checks that it works when so driven."""
+    check_tamper_earns_nothing(batch, "replay_rewritten_in_place")

@@ -21,12 +21,14 @@ from helpers.grading_utils import (
     Batch,
     cell,
     check_planted_bug_is_caught,
-    check_setup_edit_earns_nothing,
     check_solution_scores_full_marks,
     check_tamper_earns_nothing,
     lying,
-    replay_ignoring_the_scheduler,
-    replay_rewritten_in_place,
+    scheduler_tampers,
+    # the scheduler labs' tamper tests, written once for Labs 4 and 5; pytest collects them here
+    test_a_graded_cell_that_binds_the_replay_again_earns_nothing,  # noqa: F401
+    test_a_replay_rewritten_in_place_earns_nothing,  # noqa: F401
+    test_a_replay_that_ignores_the_scheduler_earns_nothing,  # noqa: F401
 )
 
 from autograder.sandbox.limits import Limits
@@ -165,27 +167,9 @@ def _solution_code(*grade_ids: str) -> str:
     return "\n\n".join("".join(cell(solution, g)["source"]) for g in grade_ids)
 
 
-def _replay_ignores_the_scheduler(nb: dict) -> None:
-    replay_ignoring_the_scheduler(nb, _solution_code("transitions", "policies", "victim", "scheduler"))
-
-
-def _graded_cell_rebinds_the_replay(nb: dict) -> None:
-    replay_ignoring_the_scheduler(
-        nb, _solution_code("transitions", "policies", "victim", "scheduler"), graded_cell="scheduler"
-    )
-
-
-def _replay_rewritten_in_place(nb: dict) -> None:
-    replay_rewritten_in_place(
-        nb, _solution_code("transitions", "policies", "victim", "scheduler"), "scheduler"
-    )
-
-
 TAMPERED = {
     "containers_that_claim_equality": _lying,
-    "replay_that_ignores_the_scheduler": _replay_ignores_the_scheduler,
-    "graded_cell_that_rebinds_the_replay": _graded_cell_rebinds_the_replay,
-    "replay_rewritten_in_place": _replay_rewritten_in_place,
+    **scheduler_tampers(_solution_code("transitions", "policies", "victim", "scheduler")),
 }
 
 
@@ -254,22 +238,3 @@ def test_containers_that_lie_about_equality_earn_nothing(batch):
     """Only plain data crosses back, so a list or string subclass whose == always says yes arrives as a
     plain list or string (or a handle, which is not data) and is compared by value in the grader."""
     check_tamper_earns_nothing(batch, "containers_that_claim_equality")
-
-
-def test_a_replay_that_ignores_the_scheduler_earns_nothing(batch):
-    """A setup cell whose replay_schedule reports a correct scheduler's decisions (the learner's Scheduler is a
-    stub) is not run: the grader runs the lab's own setup code, says so, and the stub earns nothing."""
-    check_setup_edit_earns_nothing(batch, "replay_that_ignores_the_scheduler")
-
-
-def test_a_graded_cell_that_binds_the_replay_again_earns_nothing(batch):
-    """The same replay defined in a graded cell: the hidden tests get the setup's replay_schedule, whose
-    globals are the setup's own, so the learner's stub Scheduler is what runs."""
-    check_tamper_earns_nothing(batch, "graded_cell_that_rebinds_the_replay")
-
-
-def test_a_replay_rewritten_in_place_earns_nothing(batch):
-    """A graded cell that rewrites the setup's replay_schedule in place to play a correct scheduler of its own,
-    and copies that scheduler's state onto the learner's stub, earns nothing: the Scheduler's tests drive it
-    from the grader through its handle, and the speed test first checks that it works when so driven."""
-    check_tamper_earns_nothing(batch, "replay_rewritten_in_place")

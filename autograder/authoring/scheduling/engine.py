@@ -9,7 +9,7 @@ import functools
 import torch
 
 import nanolab
-from autograder.authoring.scheduling.replay import driven_replay
+from autograder.authoring.scheduling.replay import learner_replay
 from autograder.authoring.scheduling.workloads import where
 from autograder.authoring.testing import Remote
 from nanolab.engine.config import EngineConfig
@@ -142,10 +142,10 @@ def tie_at(model, prompt: list[int], want: list[int], got: list[int]) -> bool | 
 
 
 def recorded_steps(lab, cfg: dict, events: list[tuple], label: str) -> tuple[list, list, Remote, Remote]:
-    """The learner's Scheduler on an engine workload, driven from here through its handle (`driven_replay`, not
-    the notebook's replay_schedule), which must neither fail a step nor refuse a request that can run: its
-    records, its step records, and its scheduler and allocator (handles)."""
-    records, scheduler, allocator = driven_replay(lab, cfg, events)
+    """The learner's Scheduler on an engine workload, driven from here through its handle (`learner_replay`),
+    which must neither fail a step nor refuse a request that can run: its records, its step records, and its
+    scheduler and allocator (handles)."""
+    records, scheduler, allocator = learner_replay(lab, cfg, events)
     for i, record in enumerate(records):
         if events[i][0] == "step" and record[0] != "step":
             raise AssertionError(f"{label}, {where(events, i)}: schedule raised {record[1]}")

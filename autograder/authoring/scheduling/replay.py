@@ -1,5 +1,6 @@
 """Learner's and nanolab's schedulers side by side: built from one settings dict, a workload replayed
-around each (``replay_schedule``), and their records made comparable.
+around each (``replay_schedule``'s engine part; for the learner's, played here through its handle), and their
+records made comparable.
 """
 
 from __future__ import annotations
@@ -62,30 +63,12 @@ def learner_scheduler(lab, cfg: dict):
 
 
 def learner_replay(lab, cfg: dict, events: list[tuple]) -> tuple[list, Remote, Remote]:
-    """The learner's Scheduler driven from here (`driven_replay`): the records, and the scheduler and its
-    allocator (handles) to check afterwards."""
-    records, scheduler, allocator = driven_replay(lab, cfg, events)
-    assert len(records) == len(events), "replay_schedule should return one record per event"
-    return records, scheduler, allocator
-
-
-def notebook_replay(lab, cfg: dict, events: list[tuple]) -> tuple[list, Remote, Remote]:
-    """The learner's Scheduler through the notebook's replay_schedule (one call, run in the sandbox: for the
-    speed test): the records, and the scheduler and its allocator (handles) to check afterwards."""
-    scheduler, allocator = learner_scheduler(lab, cfg)
-    records = expect(lab.replay_schedule(scheduler, events), list, "replay_schedule(Scheduler(...), events)")
-    assert len(records) == len(events), "replay_schedule should return one record per event"
-    for record in records:
-        expect(record, tuple, "each record of replay_schedule(...)")
-    return records, scheduler, allocator
-
-
-def driven_replay(lab, cfg: dict, events: list[tuple]) -> tuple[list, Remote, Remote]:
-    """replay_schedule's records, made here rather than by the notebook's helper: the grader plays the engine's
-    part, calling the learner's Scheduler through its handle and keeping the notebook's requests' tokens and
-    states itself (`lab.set`), so every decision recorded is one the Scheduler itself made. Slower than the
-    notebook's replay (a round trip per read), so for the workloads of the engine tests. Returns the records,
-    and the scheduler and its allocator (handles)."""
+    """replay_schedule's records for the learner's Scheduler, made here rather than by the notebook's helper
+    (which runs in the learner's process, where a graded cell could rewrite it): the grader plays the engine's
+    part, calling the Scheduler through its handle and keeping the notebook's requests' tokens and states
+    itself (`lab.set`), so every decision recorded is one the Scheduler itself made. A round trip per read, so
+    the speed test alone times the notebook's replay. Returns the records, and the scheduler and its allocator
+    (handles) to check afterwards."""
     scheduler, allocator = learner_scheduler(lab, cfg)
     status, reason = lab.RequestStatus, lab.FinishReason
     finished = lab.ref(status, "FINISHED")
