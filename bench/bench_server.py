@@ -81,9 +81,9 @@ def scrape(url: str) -> dict[str, float]:
     }
 
 
-def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
+def start_server(args: argparse.Namespace, port: int, engine_in: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "nanolab.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--log-level", "warning", "--max-num-seqs", str(args.max_num_seqs)]
+    cmd += ["--log-level", "warning", "--max-num-seqs", str(args.max_num_seqs), "--engine-in", engine_in]
     if args.model:
         cmd += ["--model", args.model]
     env = dict(os.environ)
@@ -108,7 +108,7 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
 
 def stop_server(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)  # uvicorn shuts down gracefully; the engine thread stops with it
+        proc.send_signal(signal.SIGINT)  # uvicorn shuts down gracefully; the engine stops with it
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
@@ -182,6 +182,13 @@ def main() -> None:
         "--timeout", type=float, default=600, help="give up on the server run after this many seconds"
     )
     p.add_argument("--quick", action="store_true", help="short prompts and outputs (a smoke test)")
+    p.add_argument(
+        "--engine-in",
+        nargs="+",
+        choices=["process", "thread"],
+        default=["process", "thread"],
+        help="serve with the engine in its own process, in a thread of the server, or both (default)",
+    )
     args = p.parse_args()
     if not 1 <= args.clients <= 256 or not 1 <= args.requests <= 4096:
         p.error("--clients must be in [1, 256] and --requests in [1, 4096]")
@@ -205,31 +212,11 @@ def main() -> None:
         f"{args.clients} concurrent streaming clients; torch threads: {torch.get_num_threads()}"
     )
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(args, port)
-    try:
-        wait_healthy(proc, url, timeout=120)
-        asyncio.run(run_clients(url, model_name, prompts[:2], lengths[:2], 2))  # warm-up
-        busy0 = scrape(url)["nanolab_engine_step_seconds_total"]
-        wall, results = asyncio.run(
-            asyncio.wait_for(run_clients(url, model_name, prompts, lengths, args.clients), args.timeout)
-        )
-        samples = scrape(url)
-    finally:
-        stop_server(proc)
-    mean_batch = samples["nanolab_mean_batch_size"]
-    server_ttft = (
-        samples["nanolab_time_to_first_token_seconds_sum"]
-        / samples["nanolab_time_to_first_token_seconds_count"]
-    )
-    busy = (samples["nanolab_engine_step_seconds_total"] - busy0) / wall
-
-    ttft = [r.chunk_times[0] - r.sent for r in results if r.chunk_times]
-    itl = [b - a for r in results for a, b in zip(r.chunk_times, r.chunk_times[1:])]
-    assert sum(r.completion_tokens for r in results) == n_out, (
-        "the server generated a different number of tokens"
-    )
+    served = {}
+    for engine_in in args.engine_in:
+        served[engine_in] = serve_workload(args, engine_in, model_name, prompts, lengths)
+        if sum(r.completion_tokens for r in served[engine_in]["results"]) != n_out:
+            raise SystemExit(f"the server (engine in a {engine_in}) generated a different number of tokens")
 
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
@@ -243,10 +230,9 @@ def main() -> None:
     t0 = time.perf_counter()
     capped.generate(prompts, params, use_tqdm=False)
     capped_wall = time.perf_counter() - t0
-    same = sum(r.text == o.outputs[0].text for r, o in zip(results, outs))
 
-    rows = [
-        ("server", wall, mean_batch),
+    rows = [(f"server, engine in a {k}", v["wall"], v["mean_batch"]) for k, v in served.items()]
+    rows += [
         ("offline", offline_wall, offline_batch),
         (
             f"offline, {min(args.clients, args.max_num_seqs)} at a time",
@@ -254,20 +240,54 @@ def main() -> None:
             capped.stats().mean_batch_size,
         ),
     ]
-    print(f"{'':26}{'req/s':>9}{'out tok/s':>11}{'wall s':>9}{'mean batch':>12}")
+    print(f"{'':32}{'req/s':>9}{'out tok/s':>11}{'wall s':>9}{'mean batch':>12}")
     for name, w, b in rows:
-        print(f"{name:26}{len(prompts) / w:9.2f}{n_out / w:11.1f}{w:9.2f}{b:12.1f}")
-    print(
-        f"throughput ratio server / offline: {offline_wall / wall:.2f}  (server / offline at the same concurrency: "
-        f"{capped_wall / wall:.2f})"
-    )
-    print(
-        f"server TTFT  p50 {percentile(ttft, 50) * 1e3:8.1f} ms   p99 {percentile(ttft, 99) * 1e3:8.1f} ms  "
-        f"(mean {statistics.mean(ttft) * 1e3:.1f} ms at the client, {server_ttft * 1e3:.1f} ms inside the server)"
-    )
-    print(f"server ITL   p50 {percentile(itl, 50) * 1e3:8.1f} ms   p99 {percentile(itl, 99) * 1e3:8.1f} ms")
-    print(f"server engine busy (inside steps) {busy:.0%} of the wall time")
-    print(f"server outputs equal to offline greedy: {same}/{len(outs)}")
+        print(f"{name:32}{len(prompts) / w:9.2f}{n_out / w:11.1f}{w:9.2f}{b:12.1f}")
+    for engine_in, v in served.items():
+        results, wall = v["results"], v["wall"]
+        ttft = [r.chunk_times[0] - r.sent for r in results if r.chunk_times]
+        itl = [b - a for r in results for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+        same = sum(r.text == o.outputs[0].text for r, o in zip(results, outs))
+        print(f"-- the engine in a {engine_in}")
+        print(
+            f"throughput ratio server / offline: {offline_wall / wall:.2f}  (server / offline at the same "
+            f"concurrency: {capped_wall / wall:.2f})"
+        )
+        print(
+            f"server TTFT  p50 {percentile(ttft, 50) * 1e3:8.1f} ms   p99 {percentile(ttft, 99) * 1e3:8.1f} ms  "
+            f"(mean {statistics.mean(ttft) * 1e3:.1f} ms at the client, {v['server_ttft'] * 1e3:.1f} ms "
+            "inside the server)"
+        )
+        print(
+            f"server ITL   p50 {percentile(itl, 50) * 1e3:8.1f} ms   p99 {percentile(itl, 99) * 1e3:8.1f} ms"
+        )
+        print(f"server engine busy (inside steps) {v['busy']:.0%} of the wall time")
+        print(f"server outputs equal to offline greedy: {same}/{len(outs)}")
+
+
+def serve_workload(args: argparse.Namespace, engine_in: str, model_name: str, prompts, lengths) -> dict:
+    """Start a server with its engine in a process or a thread, run the clients, read its metrics."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(args, port, engine_in)
+    try:
+        wait_healthy(proc, url, timeout=120)
+        asyncio.run(run_clients(url, model_name, prompts[:2], lengths[:2], 2))  # warm-up
+        busy0 = scrape(url)["nanolab_engine_step_seconds_total"]
+        wall, results = asyncio.run(
+            asyncio.wait_for(run_clients(url, model_name, prompts, lengths, args.clients), args.timeout)
+        )
+        samples = scrape(url)
+    finally:
+        stop_server(proc)
+    return {
+        "wall": wall,
+        "results": results,
+        "mean_batch": samples["nanolab_mean_batch_size"],
+        "server_ttft": samples["nanolab_time_to_first_token_seconds_sum"]
+        / samples["nanolab_time_to_first_token_seconds_count"],
+        "busy": (samples["nanolab_engine_step_seconds_total"] - busy0) / wall,
+    }
 
 
 if __name__ == "__main__":

@@ -193,6 +193,13 @@ def build_parser(engine_args: bool = True) -> argparse.ArgumentParser:
         help="refuse new requests with HTTP 503 and a Retry-After header while N requests wait to be "
         "admitted, instead of queueing them (default: no limit)",
     )
+    serve.add_argument(
+        "--engine-in",
+        choices=["process", "thread"],
+        default="process",
+        help="where the engine runs: a process of its own (default: HTTP and the engine do not share "
+        "Python's GIL) or a thread of the server's process",
+    )
     add_engine(serve)
     serve.set_defaults(func=_cmd_serve)
     return parser

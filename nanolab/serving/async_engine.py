@@ -1,50 +1,58 @@
-"""One engine, many connections: the engine runs in its own thread and talks to asyncio by messages.
+"""One engine, many connections: the engine runs on its own and talks to asyncio by messages.
 
-    HTTP handlers (asyncio event loop)             engine thread (the only code that touches the Engine)
-    ----------------------------------             -----------------------------------------------------
-    await add(prompts) --> command queue ------->  between two steps: take every queued command
-     (ServerOverloaded  <-- "accepted" / ValueError   (add requests, abort requests)
-      at once if too                               abort the requests whose deadline passed
-      many wait)                                   engine.step()   (all requests share one batch)
-    RequestGroup.queue <-- loop.call_soon_threadsafe -- each step's outputs (one wake-up per step)
+    HTTP handlers (asyncio event loops)            engine side (the only code that touches the Engine)
+    -----------------------------------            ----------------------------------------------------
+    await add(prompts) --> AddCommand ---------->  `EngineLoop`, between two steps: take every queued
+     (ServerOverloaded at once if too many wait)     command (add requests, abort requests), abort the
+    abort(ids)         --> AbortCommand -------->    requests whose deadline passed, engine.step()
+    RequestGroup.queue <-- `Round` -------------   then hand back one `Round`: acks, outputs, failures,
+       (acks resolve the adds; one wake-up            step records and a stats snapshot
+        per loop per round)
 
-One thread owns the `Engine`, so no lock guards it: the engine stays a single-threaded step loop,
-and continuous batching happens by itself because every connection's requests land in the same
-engine. With nothing to do the thread blocks on the command queue (no busy waiting; when a request
-with a deadline is still pending, it blocks until that deadline at most).
+`EngineClient` is the asyncio side and `EngineLoop` the engine side; what crosses between them is plain
+data (commands and `Round`s), so the engine side can run in a thread of this process or in a process of
+its own:
 
-Deadlines: ``add(..., timeout=S)`` (default: the engine's ``request_timeout``) gives each request of the
-call a deadline S seconds after the call. Between two steps the engine thread aborts the requests whose
-deadline passed with finish reason "timeout": their KV blocks are freed and their last output, with
-the text generated so far, reaches the handler like any other.
+- `AsyncEngine` runs the loop in a background thread. One thread owns the `Engine`, so no lock guards
+  it, and tests can reach into it (``aengine.engine``). The price: the HTTP code and the engine share
+  Python's GIL, so each slows the other (`bench/bench_server.py` measures it).
+- `nanolab.serving.engine_process.ProcessAsyncEngine` runs it in a process of its own, as vLLM V1 runs
+  its engine core; `nanolab serve` uses it by default.
+
+Either way the engine stays a single-threaded step loop, and continuous batching happens by itself
+because every connection's requests land in the same engine. With nothing to do the engine side blocks
+on its commands (no busy waiting; when a request with a deadline is still pending, until that deadline
+at most).
+
+Deadlines: ``add(..., timeout=S)`` (default: ``request_timeout``) gives each request of the call a
+deadline S seconds after the call. Between two steps the engine side aborts the requests whose deadline
+passed with finish reason "timeout": their KV blocks are freed and their last output, with the text
+generated so far, reaches the handler like any other.
 
 Back-pressure: with ``max_waiting=N``, `add` refuses a call at once with `ServerOverloaded` (queueing
 nothing) when N requests or more are already waiting, that is, not yet admitted into the running batch,
-counting the adds still on their way to the engine thread. The asyncio side counts those itself, so a
-burst of calls between two steps cannot overshoot the limit.
+counting the adds still on their way to the engine. The asyncio side counts those itself, so a burst of
+calls between two steps cannot overshoot the limit.
 
 Failure is contained: if a step raises, the requests that were running fail with `EngineStepError`
-(their KV blocks are freed by aborting them) and the thread goes on with the next command.
+(their KV blocks are freed by aborting them) and the loop goes on with the next command.
 
-The price of one process: the HTTP thread and the engine thread share Python's GIL, so each slows
-the other a little (`bench/bench_server.py` measures it). vLLM runs its engine core in a separate
-process for that reason. Tokenization also runs on the engine thread, between steps.
-
-Deliberately left out: an engine process, several engines (data parallelism), a retry delay estimated
-from the load (`ServerOverloaded.retry_after` is a fixed `AsyncEngine.retry_after`).
+Deliberately left out: several engines (data parallelism), a retry delay estimated from the load
+(`ServerOverloaded.retry_after` is a fixed ``retry_after``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import math
 import queue
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from nanolab.engine.config import EngineConfig
@@ -53,16 +61,26 @@ from nanolab.engine.engine import Engine
 from nanolab.engine.outputs import RequestOutput
 from nanolab.engine.prompt import Prompt
 from nanolab.engine.request import FinishReason
+from nanolab.engine.stats import EngineStats, StepRecord
 from nanolab.model.sampling import SamplingParams
 from nanolab.serving.metrics import ServerMetrics
 
 log = logging.getLogger("nanolab.server")
 
-__all__ = ["AsyncEngine", "EngineNotRunning", "EngineStepError", "RequestGroup", "ServerOverloaded"]
+__all__ = [
+    "AsyncEngine",
+    "EngineClient",
+    "EngineLoop",
+    "EngineNotRunning",
+    "EngineStepError",
+    "RequestGroup",
+    "RequestRejected",
+    "ServerOverloaded",
+]
 
 
 class EngineNotRunning(RuntimeError):
-    """The engine thread is not running (not started yet, or shut down)."""
+    """The engine is not running (not started yet, shut down, or its process died)."""
 
 
 class ServerOverloaded(RuntimeError):
@@ -76,11 +94,190 @@ class ServerOverloaded(RuntimeError):
         self.retry_after = retry_after
 
 
+class RequestRejected(ValueError):
+    """The engine refused a call's prompts or parameters; ``param`` names the field when known."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def _check_timeout(value: Any, name: str) -> float:
     """A number of seconds > 0 (finite), or `ValueError` naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
     return float(value)
+
+
+# -- what crosses between the two sides: plain values ---------------------------------------------------
+
+
+@dataclass
+class AddCommand:
+    add_id: int
+    request_ids: list[str]
+    prompts: list[Prompt]
+    params: list[SamplingParams]
+    priority: int
+    deadline: float | None  # time.monotonic() (one clock for every process of the machine)
+
+
+@dataclass
+class AbortCommand:
+    request_ids: list[str]
+
+
+STOP = "stop"  # the command that ends the loop: running requests are aborted first
+
+Command = AddCommand | AbortCommand | str
+
+
+@dataclass
+class Round:
+    """What the engine side hands back after one round of its loop."""
+
+    accepted: list[tuple[int, int]] = field(default_factory=list)  # (add id, prompt tokens)
+    # (add id, kind, message, param); kind: "invalid" (bad input), "stopped" or "error" (a bug)
+    refused: list[tuple[int, str, str, str | None]] = field(default_factory=list)
+    outputs: list[RequestOutput] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (request id, why): a failed step
+    steps: list[StepRecord] = field(default_factory=list)
+    step_errors: int = 0
+    stats: EngineStats | None = None
+    handled: int = 0  # prompts of every add taken off the command queue so far
+
+    def __bool__(self) -> bool:
+        return bool(self.accepted or self.refused or self.outputs or self.failed or self.steps)
+
+
+# -- the engine side ---------------------------------------------------------------------------------------
+
+
+class EngineLoop:
+    """Runs an `Engine` for an `EngineClient`: commands in, one `Round` out per step (or per batch of commands).
+
+    ``run(receive, send)``: ``receive(timeout)`` returns the next command, or None once ``timeout``
+    seconds passed (0: do not wait; None: wait as long as it takes); ``send(round)`` hands a round back.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.live: set[str] = set()  # requests added and not finished
+        self.deadlines: dict[str, float] = {}  # live requests that have one
+        self.handled = 0
+        self.round = Round()
+        engine.listeners = (*engine.listeners, self.round_steps)
+
+    def round_steps(self, record: StepRecord) -> None:
+        self.round.steps.append(record)
+
+    def run(self, receive: Callable[[float | None], Command | None], send: Callable[[Round], None]) -> None:
+        while True:
+            if self.engine.has_unfinished():
+                cmd = receive(0)
+            elif self.deadlines:  # idle, but a deadline is due: sleep until it at most
+                cmd = receive(max(0.0, min(self.deadlines.values()) - time.monotonic()))
+            else:
+                cmd = receive(None)  # idle: sleep here
+            while cmd is not None:  # take every queued command before the next step
+                if cmd == STOP:
+                    self.stop_all(receive)
+                    send(self.take_round())
+                    return
+                self.handle(cmd)
+                cmd = receive(0)
+            if self.round:  # acks at once: a handler does not wait for the step to learn its fate
+                send(self.take_round())
+            try:
+                if self.deadlines:
+                    self.expire(time.monotonic())
+                if self.engine.has_unfinished():
+                    self.step()
+            except Exception:  # a bug outside the step itself (a plugged-in component?): keep going
+                log.exception("the engine loop hit an error between steps")
+            if self.round:
+                send(self.take_round())
+
+    def take_round(self) -> Round:
+        out, self.round = self.round, Round()
+        out.stats, out.handled = self.engine.stats(), self.handled
+        return out
+
+    def handle(self, cmd: Command) -> None:
+        if isinstance(cmd, AddCommand):
+            self.handled += len(cmd.prompts)  # taken off the queue, whatever becomes of it
+        try:
+            if isinstance(cmd, AddCommand):
+                self.add(cmd)
+            elif isinstance(cmd, AbortCommand):
+                for rid in cmd.request_ids:
+                    if rid in self.live:
+                        self.route(self.engine.abort(rid))
+            else:
+                raise TypeError(f"not a command: {cmd!r}")
+        except Exception as exc:  # a bug, not bad input: keep serving the others
+            log.exception("the engine failed to handle a command")
+            if isinstance(cmd, AddCommand):
+                self.round.refused.append((cmd.add_id, "error", f"{type(exc).__name__}: {exc}", None))
+
+    def add(self, cmd: AddCommand) -> None:
+        try:  # all or none: one bad prompt rejects the whole call
+            requests = self.engine.add_requests(cmd.prompts, cmd.params, cmd.priority, cmd.request_ids)
+        except ValueError as exc:
+            self.round.refused.append((cmd.add_id, "invalid", str(exc), getattr(exc, "param", None)))
+            return
+        for req in requests:
+            self.live.add(req.request_id)
+            if cmd.deadline is not None:
+                self.deadlines[req.request_id] = cmd.deadline
+        self.round.accepted.append((cmd.add_id, sum(len(r.prompt_token_ids) for r in requests)))
+
+    def expire(self, now: float) -> None:
+        """Abort the requests whose deadline passed: finish reason "timeout", blocks freed, output routed."""
+        for rid in [rid for rid, deadline in self.deadlines.items() if deadline <= now]:
+            self.route(self.engine.abort(rid, FinishReason.TIMEOUT))
+            self.deadlines.pop(rid, None)  # gone, whatever the engine said
+
+    def step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except EngineStepError as err:
+            log.exception("an engine step failed; its requests were aborted")
+            self.round.step_errors += 1
+            for out in err.outputs:  # the engine already freed their blocks
+                if out.request_id in self.live:
+                    self.forget(out.request_id)
+                    self.round.failed.append((out.request_id, str(err)))
+            return
+        for out in outputs:
+            self.route(out)
+
+    def route(self, out: RequestOutput | None) -> None:
+        if out is None or out.request_id not in self.live:
+            return
+        if out.finished:
+            self.forget(out.request_id)
+        self.round.outputs.append(out)
+
+    def forget(self, request_id: str) -> None:
+        self.live.discard(request_id)
+        self.deadlines.pop(request_id, None)
+
+    def stop_all(self, receive: Callable[[float | None], Command | None]) -> None:
+        """Abort every live request, and refuse the adds that arrived after the stop."""
+        for rid in list(self.live):
+            try:
+                self.route(self.engine.abort(rid))
+            except Exception:
+                log.exception("aborting request %s at shutdown failed", rid)
+                self.forget(rid)
+        while (cmd := receive(0)) is not None:
+            if isinstance(cmd, AddCommand):
+                self.handled += len(cmd.prompts)
+                self.round.refused.append((cmd.add_id, "stopped", "the server is shutting down", None))
+
+
+# -- the asyncio side ----------------------------------------------------------------------------------------
 
 
 class RequestGroup:
@@ -103,7 +300,7 @@ Delivery = tuple[RequestGroup, int, "RequestOutput | EngineStepError"]
 
 
 class _Mailbox:
-    """Items on their way from the engine thread to one event loop.
+    """Items on their way from the engine side to one event loop.
 
     Waking a loop (`call_soon_threadsafe`) costs a system call and a thread switch, so there is at
     most one wake-up in flight: items posted before the loop got to it ride along with it.
@@ -134,55 +331,41 @@ class _Mailbox:
 
 
 @dataclass
-class _Add:
+class _Pending:
     group: RequestGroup
-    prompts: list[Prompt]
-    params: list[SamplingParams]
-    priority: int
     accepted: concurrent.futures.Future
-    deadline: float | None = None  # time.monotonic() after which the requests are aborted ("timeout")
-
-
-@dataclass
-class _Abort:
-    request_ids: list[str]
 
 
 @dataclass
 class _Live:
-    """What the engine thread tracks per running request, for routing outputs and for latency metrics."""
+    """What the asyncio side tracks per running request, for routing outputs and for latency metrics."""
 
     group: RequestGroup
     index: int
     last_token_time: float | None = None
 
 
-_STOP = object()
+class EngineClient:
+    """The asyncio side of an engine that runs elsewhere (a thread, a process): see the module's docstring.
 
-
-class AsyncEngine:
-    """An `Engine` run by a background thread, driven from asyncio code."""
+    A subclass starts and stops the engine side, sends it commands (`_send`) and calls `_deliver` with
+    every `Round` it hands back, from one thread that is not an event loop's.
+    """
 
     retry_after = 1  # seconds a refused client is told to wait (ServerOverloaded.retry_after)
+    tokenizer: Any = None
+    config: EngineConfig  # the resolved settings the engine runs with
 
     def __init__(
         self,
-        model: Any,
-        tokenizer: Any = None,
-        config: EngineConfig | None = None,
         *,
         metrics: ServerMetrics | None = None,
         max_waiting: int | None = None,
         request_timeout: float | None = None,
-        **components: Any,
     ) -> None:
-        """Build the engine this front end owns (``components``: ``block_allocator``, ``prefix_cache``,
-        ``scheduler``, as for `Engine`); the metrics listen to its steps.
-
-        ``max_waiting``: refuse new calls (`ServerOverloaded`) while this many requests wait to be
+        """``max_waiting``: refuse new calls (`ServerOverloaded`) while this many requests wait to be
         admitted (None: no limit). ``request_timeout``: the deadline, in seconds, of a request whose
-        `add` gives none (None: no deadline).
-        """
+        `add` gives none (None: no deadline)."""
         if max_waiting is not None and (
             isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1
         ):
@@ -193,49 +376,44 @@ class AsyncEngine:
         )
         self.metrics = metrics or ServerMetrics()
         self.metrics.max_waiting.set(math.inf if max_waiting is None else max_waiting)
-        self.engine = Engine(model, tokenizer, config, listeners=[self.metrics.observe_step], **components)
-        self._commands: queue.Queue[Any] = queue.Queue()
-        # Waiting requests, as the asyncio side counts them: prompts of the adds it queued (`_queued`,
-        # written under `_admit_lock`) minus those the engine thread took (`_admission[0]`), plus the
-        # engine's own waiting requests (`_admission[1]`). The engine thread publishes both numbers of
-        # `_admission` at once, between steps, so no request is ever counted in neither.
-        self._admit_lock = threading.Lock()
+        # Waiting requests, as this side counts them: prompts of the adds it sent (`_queued`, written
+        # under `_lock`) minus those the engine side took (`_admission[0]`), plus the engine's own
+        # waiting requests (`_admission[1]`). Both numbers of `_admission` come from one round, so no
+        # request is ever counted in neither.
+        self._lock = threading.Lock()
         self._queued = 0
-        self._handled = 0  # engine thread only
         self._admission: tuple[int, int] = (0, 0)
+        self._add_ids = itertools.count()
+        self._pending: dict[int, _Pending] = {}  # adds sent, not yet acknowledged
         self._live: dict[str, _Live] = {}
-        self._deadlines: dict[str, float] = {}  # live requests that have one (engine thread only)
-        self._outbox: list[Delivery] = []  # outputs of this round, delivered together
         self._mailboxes: dict[asyncio.AbstractEventLoop, _Mailbox] = {}
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._publish()
 
-    # -- the asyncio side ---------------------------------------------------------------------------
+    # -- what a subclass provides ---------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._thread is not None:
-            raise RuntimeError("the engine thread was already started")
-        self._thread = threading.Thread(target=self._run, name="nanolab-engine", daemon=True)
-        self._thread.start()
+        raise NotImplementedError
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the thread: running requests are aborted (their streams end with finish_reason "abort")."""
-        if self._thread is None or self._stopping:
-            return
-        self._stopping = True
-        self._commands.put(_STOP)
-        self._thread.join(timeout)
+        raise NotImplementedError
+
+    @property
+    def started(self) -> bool:
+        raise NotImplementedError
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        raise NotImplementedError
+
+    def _send(self, cmd: Command) -> None:
+        raise NotImplementedError
+
+    # -- the API the HTTP handlers use ----------------------------------------------------------------
 
     @property
     def num_waiting(self) -> int:
         """Requests not admitted into the running batch yet, adds still on their way to the engine included.
 
-        The engine's part is as of the last step (requests admitted since still count): an upper bound.
+        The engine's part is as of its last round (requests admitted since still count): an upper bound.
         """
         handled, engine_waiting = self._admission
         return engine_waiting + self._queued - handled
@@ -251,8 +429,7 @@ class AsyncEngine:
         """Queue one request per prompt; returns once the engine accepted them all.
 
         ``timeout``: seconds from this call after which the requests still unfinished are aborted with
-        finish reason "timeout" (their last output holds the text so far); None: the engine's
-        ``request_timeout``.
+        finish reason "timeout" (their last output holds the text so far); None: ``request_timeout``.
 
         Raises `ValueError` (and queues nothing) if any prompt could never run: empty, too long for
         ``max_model_len``, a token id outside the vocabulary, ... or for a ``timeout`` that is not a
@@ -265,7 +442,7 @@ class AsyncEngine:
         group = RequestGroup(group_id, len(prompts), asyncio.get_running_loop())
         deadline = None if timeout is None else group.arrival + timeout
         accepted: concurrent.futures.Future = concurrent.futures.Future()
-        with self._admit_lock:  # check and count as one: concurrent calls cannot both take the last place
+        with self._lock:  # check and count as one: concurrent calls cannot both take the last place
             if self.max_waiting is not None and (waiting := self.num_waiting) >= self.max_waiting:
                 self.metrics.requests.labels(status="overloaded").inc()
                 raise ServerOverloaded(
@@ -274,154 +451,149 @@ class AsyncEngine:
                     self.retry_after,
                 )
             self._queued += len(prompts)
-            self._commands.put(_Add(group, list(prompts), list(params), priority, accepted, deadline))
+            add_id = next(self._add_ids)
+            self._pending[add_id] = _Pending(group, accepted)
+            self._send(AddCommand(add_id, group.request_ids, list(prompts), list(params), priority, deadline))
         await asyncio.wrap_future(accepted)
         return group
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Ask the engine to stop these requests and free their KV blocks (unknown or finished ids: no-op)."""
-        if request_ids:
-            self._commands.put(_Abort(list(request_ids)))
+        if request_ids and self.is_running:
+            self._send(AbortCommand(list(request_ids)))
 
-    # -- the engine thread --------------------------------------------------------------------------
+    # -- rounds coming back ---------------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        while True:
-            try:
-                if self.engine.has_unfinished():
-                    cmd = self._commands.get_nowait()
-                elif self._deadlines:  # idle, but a deadline is due: sleep until it at most
-                    wait = min(self._deadlines.values()) - time.monotonic()
-                    cmd = self._commands.get(timeout=max(0.0, wait))
-                else:
-                    cmd = self._commands.get()  # idle: sleep here
-            except queue.Empty:
-                cmd = None
-            while cmd is not None:  # take every queued command before the next step
-                if cmd is _STOP:
-                    self._stop_all()
-                    return
-                self._handle(cmd)
-                try:
-                    cmd = self._commands.get_nowait()
-                except queue.Empty:
-                    cmd = None
-            try:
-                if self._deadlines:
-                    self._expire(time.monotonic())
-                if self.engine.has_unfinished():
-                    self._step()
-                self._publish()
-            except Exception:  # a bug outside the step itself (a plugged-in component?): keep the thread
-                log.exception("the engine thread hit an error between steps")
-            self._flush()
+    def _deliver(self, rnd: Round) -> None:
+        """Account for one round and hand its outputs to their groups (one wake-up per event loop)."""
+        now = time.monotonic()
+        out: list[Delivery] = []
+        for add_id, num_prompt_tokens in rnd.accepted:
+            pending = self._pending.pop(add_id)
+            if not pending.accepted.set_running_or_notify_cancel():
+                self.abort(pending.group.request_ids)  # the handler gave up waiting (its client left)
+                continue
+            for i, rid in enumerate(pending.group.request_ids):
+                self._live[rid] = _Live(pending.group, i)
+            self.metrics.prompt_tokens.inc(num_prompt_tokens)
+            pending.accepted.set_result(None)
+        for add_id, kind, message, param in rnd.refused:
+            pending = self._pending.pop(add_id)
+            if pending.accepted.set_running_or_notify_cancel():
+                error = {"invalid": RequestRejected, "stopped": EngineNotRunning}.get(kind, RuntimeError)
+                pending.accepted.set_exception(
+                    RequestRejected(message, param) if error is RequestRejected else error(message)
+                )
+        for record in rnd.steps:
+            self.metrics.observe_step(record)
+        if rnd.step_errors:
+            self.metrics.step_errors.inc(rnd.step_errors)
+        for o in rnd.outputs:
+            live = self._live.get(o.request_id)
+            if live is None:
+                continue
+            self.metrics.observe_output(o, live.group.arrival, live.last_token_time, now)
+            if any(c.delta_token_ids for c in o.outputs):
+                live.last_token_time = now
+            if o.finished:
+                del self._live[o.request_id]
+            out.append((live.group, live.index, o))
+        for rid, why in rnd.failed:
+            live = self._live.pop(rid, None)
+            if live is not None:
+                self.metrics.requests.labels(status="error").inc()
+                out.append((live.group, live.index, EngineStepError(why, [])))
+        if rnd.stats is not None:
+            self.metrics.observe_stats(rnd.stats)
+            self._admission = (rnd.handled, rnd.stats.num_waiting)  # one assignment: read whole
+        self._post(out)
 
-    def _flush(self) -> None:
+    def _fail_everything(self, why: str) -> None:
+        """The engine side is gone: every live request ends with an error, every pending add is refused."""
+        out: list[Delivery] = []
+        for live in self._live.values():
+            self.metrics.requests.labels(status="error").inc()
+            out.append((live.group, live.index, EngineStepError(why, [])))
+        self._live.clear()
+        for pending in self._pending.values():
+            if pending.accepted.set_running_or_notify_cancel():
+                pending.accepted.set_exception(EngineNotRunning(why))
+        self._pending.clear()
+        self._post(out)
+
+    def _post(self, deliveries: list[Delivery]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[Delivery]] = {}
-        for d in self._outbox:
+        for d in deliveries:
             by_loop.setdefault(d[0].loop, []).append(d)
         for loop, items in by_loop.items():
             if loop not in self._mailboxes:
                 self._mailboxes[loop] = _Mailbox(loop)
             self._mailboxes[loop].post(items)
-        self._outbox = []
 
-    def _handle(self, cmd: _Add | _Abort) -> None:
-        if isinstance(cmd, _Add):
-            self._handled += len(cmd.prompts)  # taken off the queue, whatever becomes of it
+
+class AsyncEngine(EngineClient):
+    """An `Engine` run by a background thread of this process, driven from asyncio code."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        config: EngineConfig | None = None,
+        *,
+        metrics: ServerMetrics | None = None,
+        max_waiting: int | None = None,
+        request_timeout: float | None = None,
+        **components: Any,
+    ) -> None:
+        """Build the engine this front end owns (``components``: ``block_allocator``, ``prefix_cache``,
+        ``scheduler``, as for `Engine`); for ``max_waiting`` and ``request_timeout`` see `EngineClient`."""
+        super().__init__(metrics=metrics, max_waiting=max_waiting, request_timeout=request_timeout)
+        self.engine = Engine(model, tokenizer, config, **components)
+        self.tokenizer = tokenizer
+        self.loop = EngineLoop(self.engine)
+        self._commands: queue.Queue[Command] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.metrics.observe_stats(self.engine.stats())
+
+    @property
+    def config(self) -> EngineConfig:  # type: ignore[override]
+        return self.engine.config
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the engine thread was already started")
+        self._thread = threading.Thread(target=self._run, name="nanolab-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the thread: running requests are aborted (their streams end with finish_reason "abort")."""
+        if self._thread is None or self._stopping:
+            return
+        self._stopping = True
+        self._commands.put(STOP)
+        self._thread.join(timeout)
+        if not self._thread.is_alive():  # adds that raced the stop are refused, not left waiting
+            self._fail_everything("the server is shutting down")
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def _send(self, cmd: Command) -> None:
+        self._commands.put(cmd)
+
+    def _run(self) -> None:
+        self.loop.run(self._receive, self._deliver)
+
+    def _receive(self, timeout: float | None) -> Command | None:
         try:
-            if isinstance(cmd, _Add):
-                self._add(cmd)
-            else:
-                for rid in cmd.request_ids:
-                    if rid in self._live:
-                        out = self.engine.abort(rid)
-                        if out is not None:
-                            self._route(out, time.monotonic())
-        except Exception as exc:  # a bug, not bad input: keep serving the others
-            log.exception("the engine thread failed to handle a command")
-            if isinstance(cmd, _Add) and not cmd.accepted.done():
-                cmd.accepted.set_exception(exc)
-
-    def _add(self, cmd: _Add) -> None:
-        if not cmd.accepted.set_running_or_notify_cancel():
-            return  # the handler gave up waiting (its client left): add nothing
-        try:  # all or none: one bad prompt rejects the whole call
-            requests = self.engine.add_requests(cmd.prompts, cmd.params, cmd.priority, cmd.group.request_ids)
-        except ValueError as exc:
-            cmd.accepted.set_exception(exc)
-            return
-        for i, req in enumerate(requests):
-            self._live[req.request_id] = _Live(cmd.group, i)
-            if cmd.deadline is not None:
-                self._deadlines[req.request_id] = cmd.deadline
-            self.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
-        cmd.accepted.set_result(None)
-
-    def _expire(self, now: float) -> None:
-        """Abort the requests whose deadline passed: finish reason "timeout", blocks freed, output routed."""
-        for rid in [rid for rid, deadline in self._deadlines.items() if deadline <= now]:
-            out = self.engine.abort(rid, FinishReason.TIMEOUT)
-            if out is not None:
-                self._route(out, now)
-            self._deadlines.pop(rid, None)  # gone, whatever the engine said
-
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except EngineStepError as err:
-            log.exception("an engine step failed; its requests were aborted")
-            self.metrics.step_errors.inc()
-            self._fail(err)
-            return
-        now = time.monotonic()
-        for out in outputs:
-            self._route(out, now)
-
-    def _route(self, out: RequestOutput, now: float) -> None:
-        """Send an output to its group and account for it; forget the request once it finished."""
-        live = self._live.get(out.request_id)
-        if live is None:
-            return
-        self.metrics.observe_output(out, live.group.arrival, live.last_token_time, now)
-        if any(c.delta_token_ids for c in out.outputs):
-            live.last_token_time = now
-        if out.finished:
-            del self._live[out.request_id]
-            self._deadlines.pop(out.request_id, None)
-        self._outbox.append((live.group, live.index, out))
-
-    def _fail(self, err: EngineStepError) -> None:
-        """The requests of a failed step end with the error (the engine already freed their blocks)."""
-        for out in err.outputs:
-            live = self._live.pop(out.request_id, None)
-            self._deadlines.pop(out.request_id, None)
-            if live is not None:
-                self.metrics.requests.labels(status="error").inc()
-                self._outbox.append((live.group, live.index, err))
-
-    def _stop_all(self) -> None:
-        for rid in list(self._live):
-            try:
-                out = self.engine.abort(rid)
-            except Exception:
-                log.exception("aborting request %s at shutdown failed", rid)
-                out = None
-            if out is not None:
-                self._route(out, time.monotonic())
-        while True:  # commands that arrived after the stop
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(cmd, _Add):
-                self._handled += len(cmd.prompts)
-                if cmd.accepted.set_running_or_notify_cancel():
-                    cmd.accepted.set_exception(EngineNotRunning("the server is shutting down"))
-        self._flush()
-        self._publish()
-
-    def _publish(self) -> None:
-        stats = self.engine.stats()  # only this thread may touch the engine
-        self.metrics.observe_stats(stats)
-        self._admission = (self._handled, stats.num_waiting)  # one assignment: read whole by `num_waiting`
+            if timeout == 0:
+                return self._commands.get_nowait()
+            return self._commands.get(timeout=timeout)
+        except queue.Empty:
+            return None

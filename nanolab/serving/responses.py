@@ -27,7 +27,7 @@ from nanolab.engine.outputs import CompletionOutput, RequestOutput
 from nanolab.model.sampling import TokenLogprob
 from nanolab.serving import chat_protocol as chat
 from nanolab.serving import openai_protocol as oa
-from nanolab.serving.async_engine import AsyncEngine, EngineStepError, RequestGroup
+from nanolab.serving.async_engine import EngineClient, EngineStepError, RequestGroup
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
 
@@ -44,7 +44,7 @@ def error_response(status: int, message: str, type: str = "invalid_request_error
 
 
 async def collect_or_error(
-    aengine: AsyncEngine, group: RequestGroup, request: Request
+    aengine: EngineClient, group: RequestGroup, request: Request
 ) -> list[RequestOutput] | JSONResponse:
     """Every final output of the group, or the error response for a failed step or a client gone."""
     try:
@@ -55,7 +55,7 @@ async def collect_or_error(
         return error_response(499, "the client closed the connection")
 
 
-async def collect(aengine: AsyncEngine, group: RequestGroup, request: Request) -> list[RequestOutput]:
+async def collect(aengine: EngineClient, group: RequestGroup, request: Request) -> list[RequestOutput]:
     """Wait for every request of the group to finish; abort them all if anything goes wrong."""
     finals: list[RequestOutput | None] = [None] * len(group.request_ids)
     remaining = len(finals)
@@ -166,10 +166,10 @@ def _news(c: CompletionOutput, sent: _Sent) -> str | None:
 
 
 async def stream_completion(
-    aengine: AsyncEngine, group: RequestGroup, req: oa.CompletionRequest
+    aengine: EngineClient, group: RequestGroup, req: oa.CompletionRequest
 ) -> AsyncIterator[str]:
     """Server-sent events for a streamed completion. Cancelled when the client disconnects."""
-    cid, created, model, tokenizer = group.group_id, oa.now(), req.model, aengine.engine.tokenizer
+    cid, created, model, tokenizer = group.group_id, oa.now(), req.model, aengine.tokenizer
     n = len(group.request_ids)
     sent: dict[int, _Sent] = {}
     done = 0
@@ -219,10 +219,12 @@ async def stream_completion(
             aengine.abort(group.request_ids)
 
 
-async def stream_chat(aengine: AsyncEngine, group: RequestGroup, req: chat.ChatRequest) -> AsyncIterator[str]:
+async def stream_chat(
+    aengine: EngineClient, group: RequestGroup, req: chat.ChatRequest
+) -> AsyncIterator[str]:
     """Server-sent events for a streamed chat completion: per choice the role, the content, the finish
     reason."""
-    cid, created, model, tokenizer = group.group_id, oa.now(), req.model, aengine.engine.tokenizer
+    cid, created, model, tokenizer = group.group_id, oa.now(), req.model, aengine.tokenizer
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
         body = chat.chat_body(cid, model, created, choices, usage, chunk=True)

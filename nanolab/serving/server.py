@@ -48,6 +48,7 @@ from nanolab.serving import openai_protocol as oa
 from nanolab.serving import responses
 from nanolab.serving.async_engine import (
     AsyncEngine,
+    EngineClient,
     EngineNotRunning,
     ServerOverloaded,
 )
@@ -63,20 +64,22 @@ def warn_ignored(fields: tuple[str, ...]) -> None:
         log.warning("ignored request fields nanolab does not know: %s", ", ".join(fields))
 
 
-def build_app(aengine: AsyncEngine, model_name: str, chat_template: ChatTemplate | None = None) -> FastAPI:
+def build_app(aengine: EngineClient, model_name: str, chat_template: ChatTemplate | None = None) -> FastAPI:
     """The FastAPI app serving ``aengine``'s model under the name ``model_name``.
 
     ``chat_template`` renders the messages of chat requests (see `nanolab.model.loading.load_chat_template`);
     without one, chat requests get a 400 that says so.
 
-    The engine thread starts and stops with the app (its lifespan). ``app.state.async_engine`` and
+    The engine (a thread's, `AsyncEngine`, or a process's, `ProcessAsyncEngine`) stops with the app (its
+    lifespan), and starts with it unless it was started before. ``app.state.async_engine`` and
     ``app.state.metrics`` give tests and embedders access to both.
     """
-    engine, metrics = aengine.engine, aengine.metrics
+    metrics = aengine.metrics
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        aengine.start()
+        if not aengine.started:  # `nanolab serve` starts an engine process before it listens
+            await asyncio.to_thread(aengine.start)
         try:
             yield
         finally:
@@ -104,7 +107,7 @@ def build_app(aengine: AsyncEngine, model_name: str, chat_template: ChatTemplate
             "object": "model",
             "created": oa.now(),
             "owned_by": "nanolab",
-            "max_model_len": engine.config.max_model_len,
+            "max_model_len": aengine.config.max_model_len,
         }
         return {"object": "list", "data": [card]}
 
@@ -137,7 +140,7 @@ def build_app(aengine: AsyncEngine, model_name: str, chat_template: ChatTemplate
             return error_response(400, exc.message, param=exc.param, code=exc.code)
         except ValueError as exc:  # the engine refused a prompt (too long, bad token id, ...)
             metrics.requests.labels(status="rejected").inc()
-            return error_response(400, str(exc), param=getattr(exc, "param", "prompt"))
+            return error_response(400, str(exc), param=getattr(exc, "param", None) or "prompt")
         except EngineNotRunning as exc:
             return error_response(503, f"{exc}; try again later", "server_error")
         except ServerOverloaded as exc:  # too many requests waiting: refused at once, nothing queued
@@ -148,7 +151,7 @@ def build_app(aengine: AsyncEngine, model_name: str, chat_template: ChatTemplate
         finals = await responses.collect_or_error(aengine, group, request)
         if isinstance(finals, JSONResponse):
             return finals
-        choices = responses.completion_choices(engine.tokenizer, req, finals)
+        choices = responses.completion_choices(aengine.tokenizer, req, finals)
         return oa.completion_body(cid, model_name, oa.now(), choices, responses.usage_of(finals))
 
     @app.post("/v1/chat/completions")
@@ -161,14 +164,14 @@ def build_app(aengine: AsyncEngine, model_name: str, chat_template: ChatTemplate
             warn_ignored(req.ignored)
             prompt = chat_prompt(
                 chat_template,
-                engine.tokenizer,
+                aengine.tokenizer,
                 req.messages,
                 req.add_generation_prompt,
                 **req.template_kwargs,
             )
             params = req.params
             if not req.max_tokens_given:  # as many as fit (at least 1, so a too-long prompt is named)
-                room = engine.config.max_model_len - len(prompt.token_ids)
+                room = aengine.config.max_model_len - len(prompt.token_ids)
                 params = replace(params, max_tokens=max(1, room))
             cid = chat.new_chat_id()
             group = await aengine.add(cid, [prompt.token_ids], [params], req.priority, timeout=req.timeout)
@@ -180,7 +183,7 @@ def build_app(aengine: AsyncEngine, model_name: str, chat_template: ChatTemplate
             return error_response(400, f"{model_name!r}: {exc}", code="no_chat_template")
         except ValueError as exc:  # the template refused the messages, or the engine the prompt
             metrics.requests.labels(status="rejected").inc()
-            return error_response(400, str(exc), param=getattr(exc, "param", "messages"))
+            return error_response(400, str(exc), param=getattr(exc, "param", None) or "messages")
         except EngineNotRunning as exc:
             return error_response(503, f"{exc}; try again later", "server_error")
         except ServerOverloaded as exc:  # too many requests waiting: refused at once, nothing queued
@@ -191,46 +194,76 @@ def build_app(aengine: AsyncEngine, model_name: str, chat_template: ChatTemplate
         finals = await responses.collect_or_error(aengine, group, request)
         if isinstance(finals, JSONResponse):
             return finals
-        choices = responses.chat_choices(engine.tokenizer, finals[0])
+        choices = responses.chat_choices(aengine.tokenizer, finals[0])
         return chat.chat_body(cid, model_name, oa.now(), choices, responses.usage_of(finals))
 
     return app
 
 
 def run_server(args: argparse.Namespace) -> int:
-    """`nanolab serve`: load the model, build the app and run uvicorn until interrupted."""
+    """`nanolab serve`: start the engine, build the app and run uvicorn until interrupted.
+
+    Returns 0 after Ctrl-C, 2 if the model cannot be loaded, 1 if the engine process died while serving.
+    """
+    import signal
+
     import uvicorn
 
     from nanolab.engine.config import EngineConfig
     from nanolab.model.loading import load_chat_template, load_model, load_tokenizer, resolve_checkpoint
+    from nanolab.serving.engine_process import EngineProcessError, ProcessAsyncEngine, engine_from_checkpoint
 
+    died = []
+
+    def on_engine_death() -> None:  # stop serving: a supervisor restarts the whole server
+        died.append(True)
+        signal.raise_signal(signal.SIGTERM)
+
+    limits = {
+        "max_waiting": getattr(args, "max_waiting", None),
+        "request_timeout": getattr(args, "request_timeout", None),
+    }
     try:
         config = EngineConfig.from_cli_args(args)
+        path = resolve_checkpoint(args.model)
         tokenizer = load_tokenizer(args.model)
         template = load_chat_template(args.model, tokenizer)
-        aengine = AsyncEngine(
-            load_model(args.model),
-            tokenizer,
-            config,
-            max_waiting=getattr(args, "max_waiting", None),
-            request_timeout=getattr(args, "request_timeout", None),
-        )
-        name = args.served_model_name or resolve_checkpoint(args.model).name
-    except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
+        name = args.served_model_name or path.name
+        if getattr(args, "engine_in", "process") == "thread":
+            aengine: EngineClient = AsyncEngine(load_model(args.model), tokenizer, config, **limits)
+        else:
+            aengine = ProcessAsyncEngine(
+                engine_from_checkpoint(str(path), config),
+                tokenizer,
+                on_engine_death=on_engine_death,
+                **limits,
+            )
+            aengine.start()  # load the model before listening: a bad checkpoint is an error, not a 503
+    except (ValueError, FileNotFoundError, NotADirectoryError, EngineProcessError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if tokenizer is None:
+    try:
+        if tokenizer is None:
+            print(
+                "warning: this checkpoint has no tokenizer (nanolab_tokenizer.json or tokenizer.json): "
+                "send prompts as token ids",
+                file=sys.stderr,
+            )
+        if template is None:
+            print(
+                "note: this checkpoint has no chat template: /v1/chat/completions will answer 400",
+                file=sys.stderr,
+            )
+        app = build_app(aengine, name, template)
+        where = "its own process" if isinstance(aengine, ProcessAsyncEngine) else "a thread"
         print(
-            "warning: this checkpoint has no tokenizer (nanolab_tokenizer.json or tokenizer.json): "
-            "send prompts as token ids",
+            f"serving {name!r} on http://{args.host}:{args.port}/v1, the engine in {where} (Ctrl-C to stop)",
             file=sys.stderr,
         )
-    if template is None:
-        print(
-            "note: this checkpoint has no chat template: /v1/chat/completions will answer 400",
-            file=sys.stderr,
-        )
-    app = build_app(aengine, name, template)
-    print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        aengine.shutdown()
+    if died:
+        print("error: the engine process died; the server stopped", file=sys.stderr)
+        return 1
     return 0

@@ -1,7 +1,7 @@
 """A live nanolab server for tests: uvicorn in a thread, on a free port of 127.0.0.1, always stopped.
 
 `serve(llm)` serves ``llm``'s model, tokenizer, chat template and engine settings (with an engine of
-its own, not ``llm``'s), so a test can compare what the server answers with what ``llm`` gives offline.
+its own, not ``llm``'s, in a thread or in a process), so a test can compare what the server answers with what ``llm`` gives offline.
 `serve_command(args)` runs the ``nanolab serve`` command itself in a subprocess, stopped with Ctrl-C.
 """
 
@@ -23,7 +23,8 @@ import openai
 import uvicorn
 
 from nanolab import LLM
-from nanolab.serving.async_engine import AsyncEngine
+from nanolab.serving.async_engine import AsyncEngine, EngineClient
+from nanolab.serving.engine_process import ProcessAsyncEngine, engine_from_parts
 from nanolab.serving.server import build_app
 
 
@@ -106,10 +107,21 @@ def serve_command(args: list[str], timeout: float = 60) -> Iterator[Command]:
             raise
 
 
+def engine_for(llm: LLM, engine_in: str = "thread", **limits: Any) -> EngineClient:
+    """An engine over ``llm``'s parts (a copy of them in a process of its own for "process")."""
+    if engine_in == "process":
+        parts = engine_from_parts(llm.model, llm.tokenizer, llm.engine.config)
+        return ProcessAsyncEngine(parts, llm.tokenizer, **limits)
+    return AsyncEngine(llm.model, llm.tokenizer, llm.engine.config, **limits)
+
+
 @contextmanager
-def serve(llm: LLM, model_name: str = "tiny", timeout: float = 30) -> Iterator[Server]:
-    """A server over ``llm``'s parts, healthy before it is yielded and stopped after."""
-    aengine = AsyncEngine(llm.model, llm.tokenizer, llm.engine.config)
+def serve(
+    llm: LLM, model_name: str = "tiny", timeout: float = 30, engine_in: str = "thread"
+) -> Iterator[Server]:
+    """A server over ``llm``'s parts, healthy before it is yielded and stopped after; its engine runs
+    in a thread of this process or, with ``engine_in="process"``, in a process of its own."""
+    aengine = engine_for(llm, engine_in)
     with run_app(build_app(aengine, model_name, llm.chat_template), timeout) as url:
         with httpx.Client(base_url=url, timeout=timeout) as http, openai_client(url, timeout) as client:
             yield Server(url, http, client)

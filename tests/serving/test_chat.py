@@ -200,9 +200,9 @@ def test_chat_takes_a_list_of_conversations_and_answers_in_order(llm) -> None:
 # ---- /v1/chat/completions ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server(llm):
-    with serve(llm, "tinypy") as live:
+@pytest.fixture(scope="module", params=["thread", "process"], ids=["engine-thread", "engine-process"])
+def server(llm, request):
+    with serve(llm, "tinypy", engine_in=request.param) as live:
         yield live
 
 

@@ -23,9 +23,9 @@ def llm() -> LLM:
     return LLM()
 
 
-@pytest.fixture(scope="module")
-def server(llm):
-    with serve(llm, "tinypy") as live:
+@pytest.fixture(scope="module", params=["thread", "process"], ids=["engine-thread", "engine-process"])
+def server(llm, request):
+    with serve(llm, "tinypy", engine_in=request.param) as live:
         yield live
 
 
