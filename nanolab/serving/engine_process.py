@@ -221,8 +221,12 @@ class ProcessAsyncEngine(EngineClient):
     def _send(self, cmd: Command) -> None:
         data = pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL)
         with self._send_lock:
-            if self._commands is not None:
-                self._commands.send(data)
+            if self._commands is None:
+                return
+            try:  # never blocks: a PUSH socket with no peer (the engine process is gone) would wait forever
+                self._commands.send(data, zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("the engine process is not listening; a command was dropped")
 
     # -- the output thread ----------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ counters, one per bucket upper bound ``le`` ("less than or equal"), plus the sum
     nanolab_time_to_first_token_seconds_sum 0.53
 
 `ServerMetrics` is the set the server exports. Its metrics are `prometheus_client` counters, gauges and
-histograms (thread-safe: the engine thread writes while HTTP handlers read) registered in a
+histograms (thread-safe: the thread that receives the engine's outputs writes while HTTP handlers read) registered in a
 `CollectorRegistry` of its own, never in prometheus_client's global one: several servers (or tests)
 can live in one process, each with its own numbers.
 
@@ -65,7 +65,7 @@ class WithoutCreated(Collector):
 
 
 class ServerMetrics:
-    """What `nanolab serve` exports on /metrics. The engine thread updates it; see `nanolab.serving.async_engine`.
+    """What `nanolab serve` exports on /metrics, updated from the engine's rounds; see `nanolab.serving.async_engine`.
 
     ``registry`` holds the metrics (a `CollectorRegistry` of this object's own); `render` writes them,
     to be served with ``content_type``.
@@ -156,7 +156,7 @@ class ServerMetrics:
         """The exposition in Prometheus' text format (content type `CONTENT_TYPE`), without ``_created``."""
         return generate_latest(WithoutCreated(self.registry))
 
-    # -- updates, called by the engine thread (and, for refusals, by the HTTP handlers) --------------
+    # -- updates, from the engine's rounds (and, for refusals, from the HTTP handlers) --------------
 
     def observe_output(
         self, out: RequestOutput, arrival: float, last_token_time: float | None, now: float

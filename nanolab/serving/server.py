@@ -10,8 +10,9 @@ model without one answers 400), ``GET /v1/models``, ``GET /health`` and ``GET /m
 text written by prometheus_client, see `nanolab.serving.metrics`). Responses and streams are built in
 `nanolab.serving.responses`: ``n`` choices per prompt, with logprobs and ``echo`` when asked for.
 
-Every connection's requests go to one engine run by one background thread (`nanolab.serving.async_engine`),
-so concurrent clients share continuous batches. A client that disconnects has its requests aborted and
+Every connection's requests go to one engine (`nanolab.serving.async_engine`), so concurrent clients share
+continuous batches. `nanolab serve` runs it in a process of its own (`nanolab.serving.engine_process`;
+``--engine-in thread`` runs it in a thread of the server's process instead). A client that disconnects has its requests aborted and
 their KV blocks freed: a stream notices when its generator is cancelled, a plain request by polling
 ``request.is_disconnected()`` while it waits.
 
@@ -205,8 +206,6 @@ def run_server(args: argparse.Namespace) -> int:
 
     Returns 0 after Ctrl-C, 2 if the model cannot be loaded, 1 if the engine process died while serving.
     """
-    import signal
-
     import uvicorn
 
     from nanolab.engine.config import EngineConfig
@@ -214,10 +213,12 @@ def run_server(args: argparse.Namespace) -> int:
     from nanolab.serving.engine_process import EngineProcessError, ProcessAsyncEngine, engine_from_checkpoint
 
     died = []
+    server: uvicorn.Server | None = None
 
     def on_engine_death() -> None:  # stop serving: a supervisor restarts the whole server
         died.append(True)
-        signal.raise_signal(signal.SIGTERM)
+        if server is not None:
+            server.should_exit = True
 
     limits = {
         "max_waiting": getattr(args, "max_waiting", None),
@@ -260,7 +261,13 @@ def run_server(args: argparse.Namespace) -> int:
             f"serving {name!r} on http://{args.host}:{args.port}/v1, the engine in {where} (Ctrl-C to stop)",
             file=sys.stderr,
         )
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+        if died:  # the engine process died before the server was made
+            return 1
+        try:
+            server.run()
+        except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down (as uvicorn.run does)
+            pass
     finally:
         aengine.shutdown()
     if died:

@@ -12,6 +12,7 @@ import asyncio
 import functools
 import inspect
 import json
+import os
 import sys
 import textwrap
 import threading
@@ -30,13 +31,15 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from helpers.live_server import run_app, serve_command  # noqa: E402
+from helpers.engine_faults import Faults, faulty_engine, faulty_forward  # noqa: E402
+from helpers.live_server import alive, engine_children, run_app, serve_command  # noqa: E402
 
 from nanolab import LLM, SamplingParams  # noqa: E402
 from nanolab.model.config import ModelConfig  # noqa: E402
 from nanolab.model.loading import save_model  # noqa: E402
 from nanolab.model.transformer import Transformer  # noqa: E402
 from nanolab.serving.async_engine import AsyncEngine, EngineNotRunning  # noqa: E402
+from nanolab.serving.engine_process import ProcessAsyncEngine  # noqa: E402
 from nanolab.serving.server import build_app  # noqa: E402
 from nanolab.text.tokenizer import Tokenizer  # noqa: E402
 
@@ -91,11 +94,13 @@ class Live:
 
     url: str
     app: object
-    llm: LLM
     http: httpx.Client
+    faults: Faults | None  # slow the engine's forward down, or make one fail
+    engine_in: str  # "thread" or "process"
 
     @property
     def engine(self):
+        """The engine itself (its engine in a thread only)."""
         return self.app.state.async_engine.engine
 
     def metrics(self) -> dict[str, float]:
@@ -117,22 +122,29 @@ class Live:
 
 
 @contextmanager
-def running_server(llm: LLM, model_name: str = MODEL_NAME, **limits) -> Iterator[Live]:
-    """A server over ``llm``'s model, tokenizer, chat template and engine settings (its own engine, not
-    ``llm``'s); ``limits`` go to `AsyncEngine` (``config`` too, replacing ``llm``'s settings)."""
-    aengine = AsyncEngine(llm.model, llm.tokenizer, limits.pop("config", llm.engine.config), **limits)
-    app = build_app(aengine, model_name, llm.chat_template)
+def running_server(checkpoint: Path, folder: Path, engine_in: str = "thread") -> Iterator[Live]:
+    """A server over the checkpoint, its engine in a thread of this process or in a process of its own;
+    the engine's forward watches ``folder`` for faults (see `helpers.engine_faults`)."""
+    llm = LLM(str(checkpoint))
+    faults = Faults(folder)
+    if engine_in == "process":
+        factory = functools.partial(faulty_engine, str(checkpoint), str(folder))
+        aengine = ProcessAsyncEngine(factory, llm.tokenizer)
+    else:
+        llm.model.forward = faulty_forward(llm.model.forward, str(folder))
+        aengine = AsyncEngine(llm.model, llm.tokenizer, llm.engine.config)
+    app = build_app(aengine, MODEL_NAME, llm.chat_template)
     with run_app(app) as url:
-        live = Live(url, app, llm, httpx.Client(base_url=url, timeout=30))
+        live = Live(url, app, httpx.Client(base_url=url, timeout=30), faults, engine_in)
         try:
             yield live
         finally:
             live.http.close()
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint: Path) -> Iterator[Live]:
-    with running_server(LLM(str(checkpoint))) as live:
+@pytest.fixture(scope="module", params=["thread", "process"], ids=["engine-thread", "engine-process"])
+def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory, request) -> Iterator[Live]:
+    with running_server(checkpoint, tmp_path_factory.mktemp("faults"), request.param) as live:
         yield live
 
 
@@ -342,7 +354,7 @@ def test_client_dropping_a_stream_aborts_its_request_and_frees_its_blocks(server
         "stream": True,
         "ignore_eos": True,
     }
-    with patched_forward(server.engine.model, slow):  # 100 tokens now take > 1 s: the drop comes first
+    with server.faults.slow():  # 100 tokens now take > 1 s: the drop comes first
         with server.http.stream("POST", "/v1/completions", json=body) as r:
             events = r.iter_lines()
             got: list[str] = []
@@ -377,7 +389,7 @@ def test_client_giving_up_on_a_plain_request_aborts_it(server: Live) -> None:
         "temperature": 0,
         "ignore_eos": True,
     }
-    with patched_forward(server.engine.model, slow):
+    with server.faults.slow():
         with pytest.raises(httpx.ReadTimeout):
             server.http.post("/v1/completions", json=body, timeout=0.3)
         wait_for(
@@ -463,25 +475,13 @@ def test_a_rejected_list_queues_none_of_its_prompts(server: Live) -> None:
 # ---- engine failures ------------------------------------------------------------------------------------
 
 
-def fail_once(original):
-    state = {"failed": False}
-
-    def forward(*args, **kwargs):
-        if not state["failed"]:
-            state["failed"] = True
-            raise RuntimeError("injected failure")
-        return original(*args, **kwargs)
-
-    return forward
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_an_engine_error_fails_its_request_with_500_and_the_server_keeps_serving(
     server: Live, offline: LLM, stream: bool
 ) -> None:
     client = server.client()
     before = server.metrics()
-    with patched_forward(server.engine.model, fail_once):
+    with server.faults.fail_once():
         if stream:
             with pytest.raises(openai.APIError, match="injected failure"):
                 for _ in client.completions.create(
@@ -508,9 +508,16 @@ def test_an_engine_error_fails_its_request_with_500_and_the_server_keeps_serving
     assert server.http.get("/health").status_code == 200
 
 
-def test_an_idle_engine_thread_sleeps_on_its_command_queue(server: Live) -> None:
-    """No busy waiting: with nothing to do, the engine thread is always found blocked in queue.get."""
+def test_an_idle_engine_sleeps_on_its_commands(server: Live) -> None:
+    """No busy waiting: with nothing to do, the engine thread is always found blocked in queue.get, and
+    the engine process uses no CPU."""
     wait_for(lambda: server.metrics()["nanolab_requests_running"] == 0, "an idle engine")
+    if server.engine_in == "process":
+        pid = server.app.state.async_engine.process.pid
+        before = process_cpu_seconds(pid)
+        time.sleep(1.0)
+        assert process_cpu_seconds(pid) - before < 0.05
+        return
     thread = server.app.state.async_engine._thread
     for _ in range(20):
         frame, stack = sys._current_frames()[thread.ident], []
@@ -520,6 +527,12 @@ def test_an_idle_engine_thread_sleeps_on_its_command_queue(server: Live) -> None
         assert stack[0] == "wait" and "get" in stack and "_run" in stack, stack
         assert "step" not in stack
         time.sleep(0.01)
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ---- metrics and lifecycle ---------------------------------------------------------------------------------
@@ -554,14 +567,19 @@ def test_metrics_are_valid_prometheus_text(server: Live) -> None:
         assert samples[len(buckets) - 1].labels["le"] == "+Inf"
 
 
-def test_stopping_the_server_stops_the_engine_thread(checkpoint: Path) -> None:
-    with running_server(LLM(str(checkpoint))) as live:
+@pytest.mark.parametrize("engine_in", ["thread", "process"])
+def test_stopping_the_server_stops_the_engine(checkpoint: Path, tmp_path: Path, engine_in: str) -> None:
+    with running_server(checkpoint, tmp_path, engine_in) as live:
         resp = live.client().completions.create(model=MODEL_NAME, prompt="a", max_tokens=3)
         assert resp.choices[0].finish_reason in ("stop", "length")
         aengine = live.app.state.async_engine
         assert aengine._thread.is_alive()
+        if engine_in == "process":
+            assert aengine.process.is_alive()
     assert not aengine._thread.is_alive()
     assert not aengine.is_running
+    if engine_in == "process":
+        assert aengine.process.exitcode == 0, "the engine process did not end by itself"
 
 
 def test_shutdown_aborts_running_requests_frees_their_blocks_and_refuses_new_ones(checkpoint: Path) -> None:
@@ -598,5 +616,7 @@ def test_nanolab_serve_command_serves_the_checkpoint_and_exits_cleanly_on_ctrl_c
     with serve_command(args) as command:
         body = {"model": "cli-model", "prompt": PROMPTS[3], "max_tokens": 10, "temperature": 0}
         text = command.http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        [engine_process] = engine_children(command.process.pid)  # the engine runs in a process of its own
     assert text == offline_texts(offline, PROMPTS[3], SamplingParams(max_tokens=10, temperature=0))[0]
     assert command.exit_code == 0, command.process.stderr.read()
+    assert not alive(engine_process), "the engine process outlived the server"

@@ -1,5 +1,6 @@
 """The server's limits: request deadlines (``--request-timeout``, a request's ``timeout``) and back-pressure
-(``--max-waiting``), on `AsyncEngine` directly and behind a live server on 127.0.0.1.
+(``--max-waiting``), on `AsyncEngine` directly and behind a live server on 127.0.0.1 (the same limits with the
+engine in a process of its own: test_engine_process.py).
 
 The model is the bundled one (it has a chat template). Tests slow its forward down, or hold it on a
 gate, from the engine thread: a request then runs long enough to meet its deadline, or the engine stays
@@ -22,12 +23,14 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from test_server import Live, blocks_all_returned, patched_forward, running_server, slow, wait_for  # noqa: E402
+from helpers.live_server import run_app  # noqa: E402
+from test_server import Live, blocks_all_returned, patched_forward, slow, wait_for  # noqa: E402
 
 from nanolab import LLM, SamplingParams  # noqa: E402
 from nanolab.cli import build_parser, main  # noqa: E402
 from nanolab.engine.config import EngineConfig  # noqa: E402
 from nanolab.serving.async_engine import AsyncEngine, ServerOverloaded  # noqa: E402
+from nanolab.serving.server import build_app  # noqa: E402
 
 MODEL = "tinypy"
 LONG = {"max_tokens": 100, "temperature": 0, "ignore_eos": True}  # 100 slowed steps: > 1 s
@@ -39,9 +42,14 @@ def llm() -> LLM:
     return LLM()
 
 
-def serving(llm: LLM, **limits):
-    """A live server over ``llm``'s parts with a fresh engine: ``limits`` go to `AsyncEngine`."""
-    return running_server(llm, MODEL, **limits)
+@contextmanager
+def serving(llm: LLM, **limits) -> Iterator[Live]:
+    """A live server over ``llm``'s parts with a fresh engine in a thread: ``limits`` go to `AsyncEngine`
+    (``config`` too, replacing ``llm``'s settings). Its model is ``llm``'s, for tests to slow down."""
+    aengine = AsyncEngine(llm.model, llm.tokenizer, limits.pop("config", llm.engine.config), **limits)
+    app = build_app(aengine, MODEL, llm.chat_template)
+    with run_app(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        yield Live(url, app, http, None, "thread")
 
 
 @contextmanager
@@ -363,9 +371,9 @@ def test_bad_limit_flags_are_argparse_errors_naming_the_flag(
 
 def test_the_limit_flags_reach_the_engine_and_default_to_no_limit(monkeypatch) -> None:
     served = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: served.append(app))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, *args: served.append(server.config.app))
     assert main(["serve", "--max-waiting", "8", "--request-timeout", "2.5", "--log-level", "error"]) == 0
-    assert main(["serve", "--log-level", "error"]) == 0
+    assert main(["serve", "--log-level", "error", "--engine-in", "thread"]) == 0
     limited, plain = (app.state.async_engine for app in served)
     assert (limited.max_waiting, limited.request_timeout) == (8, 2.5)
     assert (plain.max_waiting, plain.request_timeout) == (None, None)

@@ -1,0 +1,206 @@
+"""Tests of the engine process's life cycle: it starts with the server, stops with it, and neither side
+outlives the other. (What the server answers with its engine in a process is tested by the server tests,
+which run on both layouts; that Ctrl-C stops `nanolab serve` and its engine process, by test_server.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("zmq")
+httpx = pytest.importorskip("httpx")
+
+from helpers.engine_faults import Faults, faulty_engine  # noqa: E402
+from helpers.live_server import alive, engine_children, run_app, wait_healthy  # noqa: E402
+
+from nanolab import SamplingParams  # noqa: E402
+from nanolab.engine.config import EngineConfig  # noqa: E402
+from nanolab.model.config import ModelConfig  # noqa: E402
+from nanolab.model.loading import load_tokenizer, save_model  # noqa: E402
+from nanolab.model.transformer import Transformer  # noqa: E402
+from nanolab.serving.async_engine import EngineNotRunning  # noqa: E402
+from nanolab.serving.engine_process import EngineProcessError, ProcessAsyncEngine  # noqa: E402
+from nanolab.serving.server import build_app  # noqa: E402
+from nanolab.text.tokenizer import Tokenizer  # noqa: E402
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc and sends signals")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    text = inspect.getsource(json) + inspect.getsource(textwrap)
+    tokenizer = Tokenizer.train(text, 300, special_tokens=["<|endoftext|>"])
+    config = ModelConfig(
+        vocab_size=tokenizer.vocab_size,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_model=32,
+        d_ff=64,
+        max_seq_len=128,
+    )
+    torch.manual_seed(0)
+    return save_model(Transformer(config), tmp_path_factory.mktemp("ckpt") / "tiny", tokenizer)
+
+
+def engine(
+    checkpoint: Path, folder: Path, config: EngineConfig | None = None, **kwargs
+) -> ProcessAsyncEngine:
+    factory = functools.partial(faulty_engine, str(checkpoint), str(folder), config)
+    return ProcessAsyncEngine(factory, load_tokenizer(str(checkpoint)), **kwargs)
+
+
+def wait_until(predicate, what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_an_engine_that_cannot_be_built_fails_start_with_its_traceback(tmp_path: Path) -> None:
+    aengine = ProcessAsyncEngine(functools.partial(faulty_engine, str(tmp_path / "no-such-checkpoint"), "."))
+    with pytest.raises(EngineProcessError, match="could not build its engine") as info:
+        aengine.start()
+    assert "Traceback" in str(info.value) and "no-such-checkpoint" in str(info.value)
+    wait_until(lambda: aengine.process.exitcode is not None, "the engine process to end")
+    assert not aengine.is_running
+
+
+def test_shutdown_aborts_running_requests_and_refuses_new_ones(checkpoint: Path, tmp_path: Path) -> None:
+    faults = Faults(tmp_path)
+    aengine = engine(checkpoint, tmp_path)
+    aengine.start()
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+
+    async def main() -> list:
+        with faults.slow():
+            group = await aengine.add("g", ["while True:"], [params])
+            items = [(await group.queue.get())[1]]  # a first token: the request is running
+            await asyncio.to_thread(aengine.shutdown)
+            while not items[-1].finished:
+                items.append((await group.queue.get())[1])
+        with pytest.raises(EngineNotRunning):
+            await aengine.add("h", ["a"], [params])
+        return items
+
+    items = asyncio.run(main())
+    assert items[-1].outputs[0].finish_reason == "abort"
+    assert len(items[-1].outputs[0].token_ids) < 100
+    assert aengine.process.exitcode == 0
+    m = aengine.metrics.registry.get_sample_value
+    assert m("nanolab_requests_running") == 0
+    assert m("nanolab_kv_blocks_free") + m("nanolab_kv_blocks_cached") == m("nanolab_kv_blocks_total")
+
+
+def test_deadlines_and_back_pressure_hold_across_the_process_boundary(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """One running slot: a second request waits; past its deadline it ends with "timeout" and no text;
+    a third call beyond max_waiting=1 is refused at once."""
+    from nanolab.serving.async_engine import ServerOverloaded
+
+    faults = Faults(tmp_path)
+    aengine = engine(checkpoint, tmp_path, EngineConfig(max_num_seqs=1), max_waiting=1)
+    aengine.start()
+    long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+
+    async def main():
+        with faults.slow():
+            running = await aengine.add("a", ["import os"], [long])
+            await running.queue.get()  # admitted: it has a token
+            waiting = await aengine.add("b", ["def f"], [long], timeout=0.3)
+            with pytest.raises(ServerOverloaded):
+                await aengine.add("c", ["x"], [long])
+            while not (late := (await waiting.queue.get())[1]).finished:
+                pass
+            aengine.abort(running.request_ids)
+            while not (first := (await running.queue.get())[1]).finished:
+                pass
+        return late, first
+
+    try:
+        late, first = asyncio.run(main())
+    finally:
+        aengine.shutdown()
+    assert late.outputs[0].finish_reason == "timeout" and late.outputs[0].token_ids == []
+    assert first.outputs[0].finish_reason == "abort"
+
+
+def test_an_engine_process_that_dies_fails_its_requests_and_the_server_says_so(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    faults = Faults(tmp_path)
+    deaths = []
+    aengine = engine(checkpoint, tmp_path, on_engine_death=lambda: deaths.append(True))
+    body = {"prompt": "while True:", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    with run_app(build_app(aengine, "tiny")) as url, httpx.Client(base_url=url, timeout=30) as http:
+        with faults.slow(), http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # the stream is running
+            os.kill(aengine.process.pid, signal.SIGKILL)
+            rest = "\n".join(lines)
+        assert "engine process died" in rest and "data: [DONE]" in rest
+        assert deaths == [True]
+        assert http.get("/health").status_code == 503
+        r = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
+        m = aengine.metrics.registry.get_sample_value
+        assert m("nanolab_requests_total", {"status": "error"}) == 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_serve(checkpoint: Path) -> tuple[subprocess.Popen, httpx.Client, int]:
+    """``nanolab serve`` in a process of its own, healthy; returns it, a client and its engine's pid."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "nanolab.cli", "serve", "--model", str(checkpoint), "--port", str(port)]
+    proc = subprocess.Popen([*cmd, "--log-level", "warning"], stderr=subprocess.PIPE, text=True)
+    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+    try:
+        wait_healthy(http, 90, proc)
+        [child] = engine_children(proc.pid)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        http.close()
+        raise
+    return proc, http, child
+
+
+def test_an_engine_process_outlives_no_killed_server(checkpoint: Path) -> None:
+    proc, http, child = start_serve(checkpoint)
+    http.close()
+    proc.kill()  # SIGKILL: the front end cannot say goodbye
+    proc.wait()
+    wait_until(lambda: not alive(child), "the orphaned engine process to exit", timeout=10)
+
+
+def test_nanolab_serve_exits_with_1_when_its_engine_process_dies(checkpoint: Path) -> None:
+    proc, http, child = start_serve(checkpoint)
+    http.close()
+    os.kill(child, signal.SIGKILL)
+    try:
+        code = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert code == 1, err
+    assert "engine process died" in err
