@@ -50,6 +50,7 @@ def test_bench_engine_quick():
 @pytest.mark.timeout(600)
 def test_bench_server_quick():
     out = run_bench("bench_server.py")
-    m = re.search(r"server outputs equal to offline greedy: (\d+)/(\d+)", out)
-    assert m and m.group(1) == m.group(2), out
-    assert "TTFT" in out and "ITL" in out
+    equal = re.findall(r"server outputs equal to offline greedy: (\d+)/(\d+)", out)
+    assert len(equal) == 2 and all(a == b for a, b in equal), out  # the engine in a process, then a thread
+    assert "-- the engine in a process" in out and "-- the engine in a thread" in out
+    assert out.count("TTFT") == 2 and out.count("ITL") == 2
