@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -38,7 +38,14 @@ if TYPE_CHECKING:
     from nanolab.engine.outputs import RequestOutput
     from nanolab.engine.stats import EngineStats, StepRecord
 
-__all__ = ["BATCH_BUCKETS", "CONTENT_TYPE", "LATENCY_BUCKETS", "ServerMetrics", "WithoutCreated"]
+__all__ = [
+    "BATCH_BUCKETS",
+    "CONTENT_TYPE",
+    "LATENCY_BUCKETS",
+    "ServerMetrics",
+    "WithoutCreated",
+    "histogram_quantile",
+]
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -47,6 +54,40 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # exporters send with it (its CONTENT_TYPE_LATEST names version 1.0.0, which adds quoted UTF-8 metric
 # names that nanolab does not use).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float:
+    """The ``q``-quantile (0 <= q <= 1) of a histogram, estimated from its buckets as Prometheus'
+    ``histogram_quantile`` does.
+
+    ``buckets``: ``(upper bound, cumulative count)`` pairs in increasing order of bound, the last one
+    ``+Inf`` (what ``_bucket`` samples hold). The estimate finds the bucket that holds the rank
+    ``q * count`` and interpolates linearly inside it, taking the observations as spread evenly between
+    its bounds (the first bucket's lower bound is 0). A rank that falls in the +Inf bucket gets the
+    largest finite bound. NaN when the histogram is empty.
+
+    The error is up to the width of the bucket: with bounds 0.1 and 0.25, every p99 between them reads
+    as somewhere in that range, whatever the real latencies were.
+
+    Example: ``histogram_quantile(0.5, [(0.1, 2), (0.2, 6), (inf, 6)])`` is 0.125: rank 3 is the
+    first of the 4 observations in (0.1, 0.2].
+    """
+    if not 0 <= q <= 1:
+        raise ValueError(f"q must be in [0, 1], got {q!r}")
+    if not buckets or buckets[-1][0] != math.inf:
+        raise ValueError("the last bucket must be +Inf (the histogram's count)")
+    total = buckets[-1][1]
+    if total == 0:
+        return math.nan
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank and count > below:
+            if bound == math.inf:
+                return lower  # beyond the last finite bound: the best the buckets can say
+            return lower + (bound - lower) * (rank - below) / (count - below)
+        lower, below = bound, count
+    return lower
 
 
 class WithoutCreated(Collector):
@@ -151,6 +192,19 @@ class ServerMetrics:
             "Prompt tokens served by the prefix cache / prompt tokens (0..1).",
             registry=r,
         )
+
+    def quantile(self, name: str, q: float) -> float:
+        """The ``q``-quantile of one of this object's histograms (``name`` without ``_bucket``), estimated
+        from its buckets (see `histogram_quantile`)."""
+        buckets = [
+            (float(s.labels["le"]), s.value)
+            for family in self.registry.collect()
+            for s in family.samples
+            if s.name == f"{name}_bucket"
+        ]
+        if not buckets:
+            raise KeyError(f"no histogram named {name!r}")
+        return histogram_quantile(q, buckets)
 
     def render(self) -> bytes:
         """The exposition in Prometheus' text format (content type `CONTENT_TYPE`), without ``_created``."""

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import parser
 
-from nanolab.serving.metrics import CONTENT_TYPE, LATENCY_BUCKETS, ServerMetrics
+from nanolab.serving.metrics import CONTENT_TYPE, LATENCY_BUCKETS, ServerMetrics, histogram_quantile
 
 # Every family /metrics exports: (name as the parser names it, type, label names of its main samples).
 FAMILIES = {
@@ -182,3 +182,49 @@ def test_labels_are_checked_and_counters_only_go_up() -> None:
         m.requests.labels(reason="stop")
     with pytest.raises(ValueError):
         m.prompt_tokens.inc(-1)
+
+
+# ---- percentiles from buckets ----------------------------------------------------------------------
+
+
+def test_histogram_quantile_interpolates_inside_the_bucket_that_holds_the_rank() -> None:
+    buckets = [(0.1, 2.0), (0.2, 6.0), (math.inf, 6.0)]
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.125)  # rank 3: first of 4 in (0.1, 0.2]
+    assert histogram_quantile(1.0, buckets) == pytest.approx(0.2)
+    assert histogram_quantile(0.25, buckets) == pytest.approx(0.075)  # rank 1.5 of 2 in (0, 0.1]
+    # a rank beyond the last finite bound can only be said to be beyond it
+    assert histogram_quantile(0.99, [(0.1, 2.0), (0.2, 6.0), (math.inf, 10.0)]) == 0.2
+    assert math.isnan(histogram_quantile(0.5, [(0.1, 0.0), (math.inf, 0.0)]))
+
+
+@pytest.mark.parametrize(
+    "q, buckets",
+    [(1.5, [(math.inf, 1.0)]), (-0.1, [(math.inf, 1.0)]), (0.5, [(0.1, 1.0)]), (0.5, [])],
+    ids=["q above 1", "q below 0", "no +Inf bucket", "no buckets"],
+)
+def test_histogram_quantile_refuses_a_bad_q_or_buckets(q, buckets) -> None:
+    with pytest.raises(ValueError):
+        histogram_quantile(q, buckets)
+
+
+@given(
+    st.lists(st.floats(min_value=0.0005, max_value=20.0), min_size=1, max_size=200),
+    st.sampled_from([0.5, 0.9, 0.99]),
+)
+def test_a_bucket_percentile_lies_in_the_bucket_of_the_true_one(values: list[float], q: float) -> None:
+    """The estimate is only as precise as the buckets: it lands in the bucket that holds the true
+    quantile (the observation of rank ceil(q * n)), anywhere between that bucket's bounds."""
+    m = ServerMetrics()
+    for v in values:
+        m.ttft.observe(v)
+    estimate = m.quantile("nanolab_time_to_first_token_seconds", q)
+    true = sorted(values)[max(0, math.ceil(q * len(values)) - 1)]
+    bounds = [0.0, *LATENCY_BUCKETS]
+    upper = next(b for b in LATENCY_BUCKETS if true <= b)
+    lower = bounds[bounds.index(upper) - 1]
+    assert lower <= estimate <= upper, (true, estimate, (lower, upper))
+
+
+def test_quantile_names_an_unknown_histogram() -> None:
+    with pytest.raises(KeyError, match="nanolab_nothing"):
+        ServerMetrics().quantile("nanolab_nothing", 0.5)
