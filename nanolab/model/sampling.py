@@ -30,6 +30,11 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_number(x: object) -> bool:
+    """An int or a float, not a bool (True is an int to Python, but not a temperature)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick one request's output tokens (vLLM's names and defaults).
@@ -60,15 +65,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
+        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
             raise ValueError(
                 f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
             )
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
         if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
             raise ValueError(f"top_k must be None (off) or an integer >= 1, got {self.top_k!r}")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
@@ -88,10 +93,10 @@ class SamplingParams:
             raise ValueError(f"n must be an integer >= 1 (samples per prompt), got {self.n!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
+            if not _is_number(value) or not -2 <= value <= 2:
                 raise ValueError(f"{name} must be a number in [-2, 2] (0 = off), got {value!r}")
         rp = self.repetition_penalty
-        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not 0 < rp < math.inf:
+        if not _is_number(rp) or not 0 < rp < math.inf:
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {rp!r}")
         if self.logit_bias is not None:
             bias = self.logit_bias
@@ -100,7 +105,7 @@ class SamplingParams:
             for k, v in bias.items():
                 if not _is_int(k) or k < 0:
                     raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {k!r}")
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                if not _is_number(v) or not -100 <= v <= 100:
                     raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {v!r} for {k}")
             object.__setattr__(self, "logit_bias", {k: float(v) for k, v in bias.items()} or None)
         for name in ("logprobs", "prompt_logprobs"):

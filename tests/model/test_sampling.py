@@ -128,6 +128,10 @@ def test_make_generator_seeds_reproducibly():
     [
         (dict(temperature=-0.1), "temperature must be a finite number >= 0.*-0.1"),
         (dict(temperature=math.inf), "temperature must be a finite number"),
+        (dict(temperature=math.nan), "temperature must be a finite number"),
+        (dict(temperature=True), "temperature must be a finite number.*True"),
+        (dict(top_p=True), r"top_p must be in \(0, 1\].*True"),
+        (dict(min_p=False), r"min_p must be in \[0, 1\].*False"),
         (dict(top_p=0.0), r"top_p must be in \(0, 1\].*0.0"),
         (dict(top_p=1.5), r"top_p must be in \(0, 1\].*1.5"),
         (dict(top_k=0), "top_k must be None \\(off\\) or an integer >= 1, got 0"),

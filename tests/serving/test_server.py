@@ -412,6 +412,8 @@ BAD = {
     "max_tokens not an integer": ({"prompt": "a", "max_tokens": "7"}, "max_tokens", "max_tokens must be"),
     "negative temperature": ({"prompt": "a", "temperature": -0.5}, "temperature", "temperature must be"),
     "top_p above 1": ({"prompt": "a", "top_p": 1.5}, "top_p", "top_p must be in (0, 1]"),
+    "temperature true": ({"prompt": "a", "temperature": True}, "temperature", "temperature must be"),
+    "top_p true": ({"prompt": "a", "top_p": True}, "top_p", "top_p must be in (0, 1]"),
     "top_p of 0": ({"prompt": "a", "top_p": 0}, "top_p", "top_p must be in (0, 1]"),
     "empty stop string": ({"prompt": "a", "stop": [""]}, "stop", "stop must be"),
     "prompt longer than the model": ({"prompt": [7] * 200}, "prompt", "max_model_len 128"),
