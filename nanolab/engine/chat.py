@@ -63,8 +63,15 @@ def chat_prompt(
     if tokenizer is None:
         raise ChatTemplateError("this model has no tokenizer, so a rendered conversation cannot be encoded")
     text = template.render(messages, add_generation_prompt, **template_kwargs)
+    return ChatPrompt(text, encode_text(tokenizer, text))
+
+
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of ``text``, reading special tokens written in it (``<|endoftext|>``) as themselves.
+
+    ``add_special_tokens``: let a Hugging Face tokenizer add what its post-processor adds (a BOS token,
+    say); nanolab's own tokenizer never adds tokens of its own.
+    """
     if isinstance(tokenizer, HFTokenizer):
-        ids = tokenizer.encode(text, allowed_special="all", add_special_tokens=False)
-    else:  # nanolab's own tokenizer never adds tokens of its own
-        ids = tokenizer.encode(text, allowed_special="all")
-    return ChatPrompt(text, ids)
+        return tokenizer.encode(text, allowed_special="all", add_special_tokens=add_special_tokens)
+    return tokenizer.encode(text, allowed_special="all")

@@ -5,7 +5,7 @@ a string or a list of text parts), ``model``, ``max_tokens`` or its newer name `
 (default: as many as ``max_model_len`` leaves after the prompt, as vLLM does), ``temperature``,
 ``top_p``, ``seed``, ``stop``, ``n``, ``logprobs`` (true/false) with ``top_logprobs`` (0..20),
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``stream``,
-``stream_options.include_usage``; vLLM's extras ``repetition_penalty``, ``top_k``,
+``stream_options.include_usage`` (and ``continuous_usage_stats``); vLLM's extras ``repetition_penalty``, ``top_k``,
 ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``priority``, ``add_generation_prompt`` (default true)
 and ``chat_template_kwargs`` (more variables for the template); nanolab's ``timeout`` (as for
 completions). Unknown fields are ignored; ``tools`` and ``tool_choice`` are refused.
@@ -61,6 +61,7 @@ class ChatRequest:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     timeout: float | None = None  # seconds before the request is aborted; None = the server's default
     ignored: tuple[str, ...] = ()  # fields of the body nanolab does not know (the server logs them)
+    continuous_usage: bool = False  # usage so far on every chunk (stream_options.continuous_usage_stats)
 
 
 CHAT_FIELDS = COMMON_FIELDS | {
@@ -90,19 +91,8 @@ def parse_chat_request(body: Any, model_name: str) -> ChatRequest:
     given = fields.get("max_tokens") is not None
     fields["logprobs"] = parse_chat_logprobs(body)
     params = parse_sampling_params(fields, _UNSUPPORTED, defaults={"max_tokens": 1})
-    stream, include_usage = parse_stream(body)
-    add_generation_prompt = body.get("add_generation_prompt", True)
-    if not isinstance(add_generation_prompt, bool):
-        raise InvalidRequest(
-            f"add_generation_prompt must be true or false, got {add_generation_prompt!r}",
-            "add_generation_prompt",
-        )
-    template_kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(template_kwargs, dict):
-        raise InvalidRequest(
-            'chat_template_kwargs must be an object such as {"enable_thinking": false}',
-            "chat_template_kwargs",
-        )
+    stream, include_usage, continuous_usage = parse_stream(body)
+    add_generation_prompt, template_kwargs = parse_template_options(body)
     return ChatRequest(
         messages,
         params,
@@ -115,7 +105,25 @@ def parse_chat_request(body: Any, model_name: str) -> ChatRequest:
         template_kwargs,
         parse_timeout(body),
         unknown_fields(body, CHAT_FIELDS),
+        continuous_usage,
     )
+
+
+def parse_template_options(body: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+    """vLLM's ``add_generation_prompt`` (default true) and ``chat_template_kwargs`` (an object)."""
+    add_generation_prompt = body.get("add_generation_prompt", True)
+    if not isinstance(add_generation_prompt, bool):
+        raise InvalidRequest(
+            f"add_generation_prompt must be true or false, got {add_generation_prompt!r}",
+            "add_generation_prompt",
+        )
+    template_kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(template_kwargs, dict):
+        raise InvalidRequest(
+            'chat_template_kwargs must be an object such as {"enable_thinking": false}',
+            "chat_template_kwargs",
+        )
+    return add_generation_prompt, template_kwargs
 
 
 def parse_chat_logprobs(body: dict[str, Any]) -> int | None:

@@ -4,7 +4,9 @@ Request (``POST /v1/completions``, JSON): ``prompt`` (a string, a list of string
 or a list of such lists), ``model``, ``max_tokens`` (default 16), ``temperature``, ``top_p``, ``seed``,
 ``stop``, ``n`` (samples per prompt), ``logprobs`` (0..20 top tokens per output token), ``echo``,
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` (token id -> bias), ``stream``,
-``stream_options.include_usage``; and vLLM's extras ``repetition_penalty``, ``top_k``, ``min_p``,
+``stream_options.include_usage`` (and vLLM's ``continuous_usage_stats``: the usage so far on every
+chunk); ``max_tokens: 0`` with ``echo`` answers with the prompt (and, with
+``logprobs``, its log-probabilities) alone, as older scoring clients ask; and vLLM's extras ``repetition_penalty``, ``top_k``, ``min_p``,
 ``stop_token_ids``, ``ignore_eos``, ``priority``; and nanolab's ``timeout`` (seconds until the request is
 aborted with finish reason "timeout"; default: the server's ``--request-timeout``). Unknown fields are
 ignored, as vLLM does; ``best_of`` and ``suffix`` are refused. With ``echo`` and ``logprobs``, the
@@ -82,6 +84,10 @@ class CompletionRequest:
     timeout: float | None = None  # seconds before the request is aborted; None = the server's default
     echo: bool = False  # the text of each choice starts with its prompt
     ignored: tuple[str, ...] = ()  # fields of the body nanolab does not know (the server logs them)
+    # ``max_tokens: 0`` with ``echo``: the answer is the prompt (and its logprobs) alone, finish reason
+    # "length". The engine runs the request for one token, which the answer leaves out.
+    echo_only: bool = False
+    continuous_usage: bool = False  # usage so far on every chunk (stream_options.continuous_usage_stats)
 
 
 def _is_int(x: Any) -> bool:
@@ -104,15 +110,31 @@ def parse_completion_request(body: Any, model_name: str) -> CompletionRequest:
     """Validate a JSON body; raises `InvalidRequest` naming the first problem found."""
     check_body_and_model(body, model_name)
     prompts = parse_prompts(body.get("prompt"))
-    params = parse_sampling_params(body, _UNSUPPORTED)
-    stream, include_usage = parse_stream(body)
     echo = flag(body, "echo")
+    max_tokens = body.get("max_tokens")
+    echo_only = echo and _is_int(max_tokens) and max_tokens == 0  # older scoring clients ask this way
+    if _is_int(max_tokens) and max_tokens == 0 and not echo:
+        raise InvalidRequest(
+            "max_tokens must be an integer >= 1 (0 only with echo: the prompt alone)", "max_tokens"
+        )
+    params = parse_sampling_params({**body, "max_tokens": 1} if echo_only else body, _UNSUPPORTED)
+    stream, include_usage, continuous_usage = parse_stream(body)
     if echo and params.logprobs is not None:  # the prompt's tokens are echoed with their logprobs too
         params = replace(params, prompt_logprobs=params.logprobs)
     priority, timeout = parse_priority(body), parse_timeout(body)
     ignored = unknown_fields(body, COMPLETION_FIELDS)
     return CompletionRequest(
-        prompts, params, model_name, stream, include_usage, priority, timeout, echo, ignored
+        prompts,
+        params,
+        model_name,
+        stream,
+        include_usage,
+        priority,
+        timeout,
+        echo,
+        ignored,
+        echo_only,
+        continuous_usage,
     )
 
 
@@ -188,8 +210,9 @@ def flag(body: dict[str, Any], name: str) -> bool:
     return value
 
 
-def parse_stream(body: dict[str, Any]) -> tuple[bool, bool]:
-    """``stream`` and ``stream_options.include_usage``."""
+def parse_stream(body: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """``stream``, ``stream_options.include_usage`` and vLLM's ``stream_options.continuous_usage_stats``
+    (with ``include_usage``: the usage so far on every chunk, not null)."""
     stream = flag(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
@@ -198,7 +221,8 @@ def parse_stream(body: dict[str, Any]) -> tuple[bool, bool]:
         )
     if options and not stream:
         raise InvalidRequest("stream_options is only allowed with stream=true", "stream_options")
-    return stream, bool(options.get("include_usage"))
+    include_usage = bool(options.get("include_usage"))
+    return stream, include_usage, include_usage and bool(options.get("continuous_usage_stats"))
 
 
 def parse_priority(body: dict[str, Any]) -> int:

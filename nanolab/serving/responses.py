@@ -86,10 +86,11 @@ async def collect(aengine: EngineClient, group: RequestGroup, request: Request) 
     return finals  # type: ignore[return-value]
 
 
-def usage_of(finals: list[RequestOutput]) -> dict[str, int]:
-    """Each prompt counted once, every sample's output tokens."""
+def usage_of(finals: list[RequestOutput], echo_only: bool = False) -> dict[str, int]:
+    """Each prompt counted once, every sample's output tokens (none for ``echo_only``)."""
     n_prompt = sum(len(o.prompt_token_ids) for o in finals)
-    return oa.usage(n_prompt, sum(len(c.token_ids) for o in finals for c in o.outputs))
+    n_out = 0 if echo_only else sum(len(c.token_ids) for o in finals for c in o.outputs)
+    return oa.usage(n_prompt, n_out)
 
 
 def prompt_text(tokenizer: Any, out: RequestOutput) -> str:
@@ -112,11 +113,13 @@ def completion_choices(tokenizer: Any, req: oa.CompletionRequest, finals: list[R
         prefix = prompt_text(tokenizer, out) if req.echo else ""
         echoed = echoed_logprobs(out) if req.echo else []
         for c in out.outputs:
+            generated = [] if req.echo_only else (c.logprobs or [])
             lp = None
             if c.logprobs is not None:
-                lp = oa.completion_logprobs(tokenizer, [*echoed, *c.logprobs], 0 if echoed else len(prefix))
-            text = prefix + (c.text or "")
-            choices.append(oa.choice(i * req.params.n + c.index, text, c.finish_reason, lp))
+                lp = oa.completion_logprobs(tokenizer, [*echoed, *generated], 0 if echoed else len(prefix))
+            text = prefix + ("" if req.echo_only else c.text or "")
+            reason = "length" if req.echo_only else c.finish_reason  # (the left-out token may have been EOS)
+            choices.append(oa.choice(i * req.params.n + c.index, text, reason, lp))
     return choices
 
 
@@ -175,6 +178,8 @@ async def stream_completion(
     done = 0
     failed = False
     prompt_tokens = completion_tokens = 0
+    seen_prompts: dict[int, int] = {}  # prompt tokens of each prompt that has sent something
+    generated = 0  # tokens generated so far, for continuous usage
     try:
         while done < n and not failed:
             events = []
@@ -183,10 +188,15 @@ async def stream_completion(
                     events.append(oa.sse(oa.error_body(str(item), "server_error")))
                     failed = True
                     break
+                seen_prompts[prompt_index] = len(item.prompt_token_ids)
+                if not req.echo_only:
+                    generated += sum(len(c.delta_token_ids) for c in item.outputs)
                 for c in item.outputs:
                     index = prompt_index * req.params.n + c.index
                     s = sent.setdefault(index, _Sent())
                     text, entries = c.delta_text, list(c.delta_logprobs or ())
+                    if req.echo_only:  # the prompt alone: the one token the engine ran is left out
+                        text, entries = "", []
                     if not s.started:
                         s.started = True
                         if req.echo:
@@ -197,17 +207,21 @@ async def stream_completion(
                         lp = oa.completion_logprobs(tokenizer, entries, s.offset)
                         s.offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
                     finish = _news(c, s)
+                    if finish and req.echo_only:
+                        finish = "length"
                     if text or lp or finish:
                         chunk = oa.completion_body(
                             cid, model, created, [oa.choice(index, text, finish, lp)], None
                         )
-                        if req.include_usage:
+                        if req.continuous_usage:
+                            chunk["usage"] = oa.usage(sum(seen_prompts.values()), generated)
+                        elif req.include_usage:
                             chunk["usage"] = None  # as OpenAI: null on every chunk, the totals in a last one
                         events.append(oa.sse(chunk))
                 if item.finished:
                     done += 1
                     prompt_tokens += len(item.prompt_token_ids)
-                    completion_tokens += sum(len(c.token_ids) for c in item.outputs)
+                    completion_tokens += 0 if req.echo_only else sum(len(c.token_ids) for c in item.outputs)
             if not failed and done == n and req.include_usage:
                 usage = oa.usage(prompt_tokens, completion_tokens)
                 events.append(oa.sse(oa.completion_body(cid, model, created, [], usage)))
@@ -220,15 +234,18 @@ async def stream_completion(
 
 
 async def stream_chat(
-    aengine: EngineClient, group: RequestGroup, req: chat.ChatRequest
+    aengine: EngineClient, group: RequestGroup, req: chat.ChatRequest, prompt_tokens: int = 0
 ) -> AsyncIterator[str]:
     """Server-sent events for a streamed chat completion: per choice the role, the content, the finish
-    reason."""
+    reason. ``prompt_tokens``: the rendered conversation's length (for continuous usage)."""
     cid, created, model, tokenizer = group.group_id, oa.now(), req.model, aengine.tokenizer
+    generated = 0  # tokens generated so far, for continuous usage
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
         body = chat.chat_body(cid, model, created, choices, usage, chunk=True)
-        if req.include_usage and usage is None:
+        if req.continuous_usage and usage is None:
+            body["usage"] = oa.usage(prompt_tokens, generated)
+        elif req.include_usage and usage is None:
             body["usage"] = None  # as OpenAI: null on every chunk, the totals in a last one
         return oa.sse(body)
 
@@ -245,6 +262,7 @@ async def stream_chat(
                     events.append(oa.sse(oa.error_body(str(item), "server_error")))
                     finished = True
                     break
+                generated += sum(len(c.delta_token_ids) for c in item.outputs)
                 for c in item.outputs:
                     lp = chat.chat_logprobs(tokenizer, c.delta_logprobs) if c.delta_logprobs else None
                     if c.delta_text or lp:

@@ -6,8 +6,10 @@
 
 Endpoints: ``POST /v1/completions`` (see `nanolab.serving.openai_protocol`), ``POST /v1/chat/completions``
 (see `nanolab.serving.chat_protocol`; the messages are rendered with the model's chat template, and a
-model without one answers 400), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus
-text written by prometheus_client, see `nanolab.serving.metrics`). Responses and streams are built in
+model without one answers 400), ``GET /v1/models`` and ``GET /v1/models/{id}``, vLLM's tokenizer endpoints
+``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` (see `nanolab.serving.tokenize_protocol`),
+``GET /health`` and ``GET /metrics`` (Prometheus text written by prometheus_client, see
+`nanolab.serving.metrics`). Responses and streams are built in
 `nanolab.serving.responses`: ``n`` choices per prompt, with logprobs and ``echo`` when asked for.
 
 Every connection's requests go to one engine (`nanolab.serving.async_engine`), so concurrent clients share
@@ -43,10 +45,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanolab.engine.chat import NoChatTemplate, chat_prompt
+from nanolab.engine.chat import NoChatTemplate, chat_prompt, encode_text
 from nanolab.serving import chat_protocol as chat
 from nanolab.serving import openai_protocol as oa
 from nanolab.serving import responses
+from nanolab.serving import tokenize_protocol as tok
 from nanolab.serving.async_engine import (
     AsyncEngine,
     EngineClient,
@@ -101,16 +104,95 @@ def build_app(aengine: EngineClient, model_name: str, chat_template: ChatTemplat
             return JSONResponse({"status": "engine not running"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card = {
+    def model_card() -> dict[str, Any]:
+        return {
             "id": model_name,
             "object": "model",
             "created": oa.now(),
             "owned_by": "nanolab",
             "max_model_len": aengine.config.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            message = f"the model {model_id!r} does not exist: this server serves {model_name!r}"
+            return error_response(404, message, "not_found_error", "model", "model_not_found")
+        return model_card()
+
+    def tokenizer_or_error() -> Any:
+        if aengine.tokenizer is None:
+            metrics.requests.labels(status="rejected").inc()
+            return error_response(400, f"{model_name!r} has no tokenizer: it takes and gives token ids only")
+        return aengine.tokenizer
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await read_json(request)
+        if isinstance(body, JSONResponse):
+            return body
+        tokenizer = tokenizer_or_error()
+        if isinstance(tokenizer, JSONResponse):
+            return tokenizer
+        try:
+            req = tok.parse_tokenize_request(body, model_name)
+            warn_ignored(req.ignored)
+            if req.prompt is not None:
+                ids = encode_text(tokenizer, req.prompt, req.add_special_tokens)
+            else:
+                ids = chat_prompt(
+                    chat_template, tokenizer, req.messages, req.add_generation_prompt, **req.template_kwargs
+                ).token_ids
+        except oa.InvalidRequest as exc:
+            metrics.requests.labels(status="rejected").inc()
+            return error_response(400, exc.message, param=exc.param, code=exc.code)
+        except NoChatTemplate as exc:
+            metrics.requests.labels(status="rejected").inc()
+            return error_response(400, f"{model_name!r}: {exc}", param="messages", code="no_chat_template")
+        except ValueError as exc:  # the template refused the messages
+            metrics.requests.labels(status="rejected").inc()
+            return error_response(400, str(exc), param="messages")
+        strs = [oa.token_text(tokenizer, t) for t in ids] if req.return_token_strs else None
+        return {
+            "count": len(ids),
+            "max_model_len": aengine.config.max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await read_json(request)
+        if isinstance(body, JSONResponse):
+            return body
+        tokenizer = tokenizer_or_error()
+        if isinstance(tokenizer, JSONResponse):
+            return tokenizer
+        try:
+            ids = tok.parse_detokenize_request(body, model_name, tokenizer.vocab_size)
+        except oa.InvalidRequest as exc:
+            metrics.requests.labels(status="rejected").inc()
+            return error_response(400, exc.message, param=exc.param, code=exc.code)
+        return {"prompt": tokenizer.decode(ids)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        tokenizer = tokenizer_or_error()
+        if isinstance(tokenizer, JSONResponse):
+            return tokenizer
+        return {
+            "tokenizer_class": type(tokenizer).__name__,
+            "eos_token": getattr(tokenizer, "eos_token", None),
+            "bos_token": getattr(tokenizer, "bos_token", None),
+            "pad_token": getattr(tokenizer, "pad_token", None),
+            "chat_template": None if chat_template is None else chat_template.source,
+            "model_max_length": aengine.config.max_model_len,
+            "vocab_size": tokenizer.vocab_size,
+        }
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
@@ -153,7 +235,8 @@ def build_app(aengine: EngineClient, model_name: str, chat_template: ChatTemplat
         if isinstance(finals, JSONResponse):
             return finals
         choices = responses.completion_choices(aengine.tokenizer, req, finals)
-        return oa.completion_body(cid, model_name, oa.now(), choices, responses.usage_of(finals))
+        usage = responses.usage_of(finals, req.echo_only)
+        return oa.completion_body(cid, model_name, oa.now(), choices, usage)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -191,7 +274,8 @@ def build_app(aengine: EngineClient, model_name: str, chat_template: ChatTemplat
             body = oa.error_body(str(exc), "server_error", code="server_overloaded")
             return JSONResponse(body, status_code=503, headers={"Retry-After": str(exc.retry_after)})
         if req.stream:
-            return responses.event_stream(responses.stream_chat(aengine, group, req))
+            stream = responses.stream_chat(aengine, group, req, len(prompt.token_ids))
+            return responses.event_stream(stream)
         finals = await responses.collect_or_error(aengine, group, request)
         if isinstance(finals, JSONResponse):
             return finals

@@ -200,6 +200,74 @@ def test_echo_with_logprobs_gives_the_prompts_tokens_first(server, llm) -> None:
     assert tokens == lp.tokens and offsets == lp.text_offset
 
 
+def test_max_tokens_0_with_echo_scores_the_prompt_alone(server, llm) -> None:
+    """As older scoring clients ask: the prompt and its log-probabilities, nothing generated, finish reason
+    "length", no completion tokens; plain, streamed and for token-id prompts. Without echo it is a 400."""
+    ids = llm.tokenizer.encode(PROMPTS[1])
+    (want,) = llm.generate(
+        [ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2), use_tqdm=False
+    )
+    expected = [e.logprob for e in want.prompt_logprobs[1:]]
+    for prompt in (PROMPTS[1], ids):
+        resp = server.client.completions.create(
+            model="tinypy", prompt=prompt, max_tokens=0, echo=True, logprobs=2
+        )
+        c = resp.choices[0]
+        assert (c.text, c.finish_reason) == (PROMPTS[1], "length")
+        assert len(c.logprobs.tokens) == len(ids) and "".join(c.logprobs.tokens) == PROMPTS[1]
+        assert c.logprobs.token_logprobs[0] is None
+        assert c.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+        assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (len(ids), 0)
+    chunks = list(
+        server.client.completions.create(
+            model="tinypy",
+            prompt=ids,
+            max_tokens=0,
+            echo=True,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPTS[1]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 0
+    r = server.http.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert "0 only with echo" in r.json()["error"]["message"]
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server, llm) -> None:
+    """vLLM's stream option: with include_usage, every chunk carries the usage so far (completions and
+    chat), growing to the totals of the last chunk; without include_usage, no chunk has usage."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    chunks = list(
+        server.client.completions.create(
+            model="tinypy", prompt=ids, max_tokens=6, temperature=0, stream=True, stream_options=options,
+            extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    usages = [c.usage for c in chunks]
+    assert all(u is not None and u.prompt_tokens == len(ids) for u in usages)
+    done = [u.completion_tokens for u in usages]
+    assert done == sorted(done) and done[0] >= 1 and done[-1] == 6
+    assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
+    messages = [{"role": "user", "content": "Sort a list."}]
+    chat_chunks = list(
+        server.client.chat.completions.create(
+            model="tinypy", messages=messages, max_tokens=5, stream=True, stream_options=options,
+            extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    n_prompt = server.http.post("/tokenize", json={"messages": messages}).json()["count"]
+    assert all(c.usage is not None and c.usage.prompt_tokens == n_prompt for c in chat_chunks)
+    assert chat_chunks[0].usage.completion_tokens == 0 and chat_chunks[-1].usage.completion_tokens == 5
+    plain = server.client.completions.create(
+        model="tinypy", prompt=ids, max_tokens=3, stream=True, stream_options={"continuous_usage_stats": True}
+    )
+    assert all(c.usage is None for c in plain)
+
+
 def test_the_nanolab_serve_command_answers_the_openai_client_as_llm_does_offline(llm) -> None:
     """The command itself, with both limits set: completions and chat, plain and streamed, n=3, logprobs=5
     and penalties, greedy, equal to offline `LLM`."""

@@ -267,3 +267,35 @@ def test_the_server_answers_text_prompts_and_chat_as_transformers(llm, hf_tok, h
             model="tiny", messages=messages, max_tokens=12, temperature=0
         )
         assert same_text(reply.choices[0].message.content, hf_tok.decode(expected, skip_special_tokens=True))
+
+
+def test_the_tokenizer_endpoints_answer_as_transformers(checkpoint, tmp_path) -> None:
+    """/tokenize adds what the tokenizer's post-processor adds (here a start token) unless told not to (a
+    conversation: never), /detokenize decodes, and /tokenizer_info names the tokenizer's own special tokens."""
+    from tokenizers import Tokenizer, processors
+
+    path = tmp_path / "with-bos"
+    shutil.copytree(checkpoint, path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    start = tok.token_to_id("<|im_start|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", start)]
+    )
+    tok.save(str(path / "tokenizer.json"))
+    hf_tok = transformers.AutoTokenizer.from_pretrained(path)
+    assert hf_tok("x = 1")["input_ids"][0] == start  # the post-processor adds it
+    messages = [{"role": "user", "content": "Sort a list."}]
+    with serve(LLM(path, block_size=4)) as server:
+        for prompt in PROMPTS[:2]:
+            got = server.http.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
+            assert got == hf_tok(prompt)["input_ids"]
+            bare = server.http.post("/tokenize", json={"prompt": prompt, "add_special_tokens": False}).json()
+            assert bare["tokens"] == hf_tok(prompt, add_special_tokens=False)["input_ids"]
+            text = server.http.post("/detokenize", json={"tokens": bare["tokens"]}).json()["prompt"]
+            assert same_text(text, hf_tok.decode(bare["tokens"], skip_special_tokens=True))
+        chat = server.http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+        rendered = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert chat == hf_tok(rendered, add_special_tokens=False)["input_ids"]
+        info = server.http.get("/tokenizer_info").json()
+    assert (info["eos_token"], info["bos_token"]) == (hf_tok.eos_token, hf_tok.bos_token)
+    assert info["chat_template"] == hf_tok.chat_template
