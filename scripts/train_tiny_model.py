@@ -20,7 +20,8 @@ What it does, in order:
    ``seq_len`` tokens cut from the concatenated training files, in seeded random order: AdamW, linear
    warmup then cosine decay, gradient clipping.
 4. **Outputs** (in ``--out``, by default ``nanolab/assets/tinypy/``): ``config.json``,
-   ``model.safetensors`` and ``nanolab_tokenizer.json`` (via `nanolab.model.loading.save_model`),
+   ``model.safetensors`` and ``nanolab_tokenizer.json`` (via `nanolab.model.loading.save_model`), the
+   same tokenizer as Hugging Face's ``tokenizer.json`` and ``tokenizer_config.json`` (`Tokenizer.save_hf`),
    ``training_curve.png``, and ``MODEL_CARD.md`` with every number measured by this run.
 
 Reproducibility. The corpus is whatever the running Python ships, so the card records the Python
@@ -572,6 +573,9 @@ def main(argv: list[str] | None = None) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     save_model(model, out, tokenizer)
+    template = out / "chat_template.jinja"  # written by hand, kept by retraining
+    # the same tokenizer as Hugging Face files, for transformers and the clients built on it
+    tokenizer.save_hf(out, template.read_text() if template.exists() else None, model.config.max_seq_len)
     for name in ("config.json", "model.safetensors", TOKENIZER_FILENAME):
         (out / name).chmod(0o644)  # safetensors writes 0600; the packaged file must be world-readable
     plot_curve(history, s, out / PLOT_NAME)

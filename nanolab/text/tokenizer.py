@@ -343,6 +343,16 @@ class Tokenizer:
             )
         return tok
 
+    def save_hf(
+        self, directory: str | Path, chat_template: str | None = None, model_max_length: int | None = None
+    ) -> Path:
+        """Write this tokenizer as a Hugging Face one (``tokenizer.json`` and ``tokenizer_config.json``) into
+        ``directory``: ``transformers.AutoTokenizer.from_pretrained(directory)`` then gives the ids
+        ``encode(text, allowed_special="all")`` gives. See `nanolab.text.hf_export`."""
+        from nanolab.text.hf_export import save_hf
+
+        return save_hf(self, directory, chat_template, model_max_length)
+
     def to_tiktoken(self, name: str = "nanolab") -> tiktoken.Encoding:
         """An equivalent `tiktoken.Encoding`, built offline from our ranks, pattern and special tokens.
 

@@ -29,7 +29,15 @@ from nanolab.model.transformer import Transformer
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLED = ASSETS_DIR / "tinypy"
 SCRIPT = ROOT / "scripts" / "train_tiny_model.py"
-FILES = ("config.json", "model.safetensors", "nanolab_tokenizer.json", "MODEL_CARD.md", "training_curve.png")
+FILES = (
+    "config.json",
+    "model.safetensors",
+    "nanolab_tokenizer.json",
+    "tokenizer.json",  # the same tokenizer for Hugging Face's libraries
+    "tokenizer_config.json",
+    "MODEL_CARD.md",
+    "training_curve.png",
+)
 
 # Same text as the card's check sample: the loss may differ only by float rounding (other CPUs, threads).
 SAME_TEXT_TOLERANCE = 0.01
