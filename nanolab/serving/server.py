@@ -124,20 +124,30 @@ def build_app(aengine: EngineClient, model_name: str, chat_template: ChatTemplat
             return error_response(404, message, "not_found_error", "model", "model_not_found")
         return model_card()
 
+    def reject(message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+        """A 400 for a request refused before it reached the engine, counted as "rejected"."""
+        metrics.requests.labels(status="rejected").inc()
+        return error_response(400, message, param=param, code=code)
+
     def tokenizer_or_error() -> Any:
         if aengine.tokenizer is None:
-            metrics.requests.labels(status="rejected").inc()
-            return error_response(400, f"{model_name!r} has no tokenizer: it takes and gives token ids only")
+            return reject(f"{model_name!r} has no tokenizer: it takes and gives token ids only")
         return aengine.tokenizer
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
+    async def body_and_tokenizer(request: Request) -> tuple[Any, Any] | JSONResponse:
+        """The JSON body and the tokenizer of a tokenizer endpoint, or the 400 that says why not."""
         body = await read_json(request)
         if isinstance(body, JSONResponse):
             return body
         tokenizer = tokenizer_or_error()
-        if isinstance(tokenizer, JSONResponse):
-            return tokenizer
+        return tokenizer if isinstance(tokenizer, JSONResponse) else (body, tokenizer)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        got = await body_and_tokenizer(request)
+        if isinstance(got, JSONResponse):
+            return got
+        body, tokenizer = got
         try:
             req = tok.parse_tokenize_request(body, model_name)
             warn_ignored(req.ignored)
@@ -148,14 +158,11 @@ def build_app(aengine: EngineClient, model_name: str, chat_template: ChatTemplat
                     chat_template, tokenizer, req.messages, req.add_generation_prompt, **req.template_kwargs
                 ).token_ids
         except oa.InvalidRequest as exc:
-            metrics.requests.labels(status="rejected").inc()
-            return error_response(400, exc.message, param=exc.param, code=exc.code)
+            return reject(exc.message, exc.param, exc.code)
         except NoChatTemplate as exc:
-            metrics.requests.labels(status="rejected").inc()
-            return error_response(400, f"{model_name!r}: {exc}", param="messages", code="no_chat_template")
+            return reject(f"{model_name!r}: {exc}", "messages", "no_chat_template")
         except ValueError as exc:  # the template refused the messages
-            metrics.requests.labels(status="rejected").inc()
-            return error_response(400, str(exc), param="messages")
+            return reject(str(exc), "messages")
         strs = [oa.token_text(tokenizer, t) for t in ids] if req.return_token_strs else None
         return {
             "count": len(ids),
@@ -166,17 +173,14 @@ def build_app(aengine: EngineClient, model_name: str, chat_template: ChatTemplat
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        body = await read_json(request)
-        if isinstance(body, JSONResponse):
-            return body
-        tokenizer = tokenizer_or_error()
-        if isinstance(tokenizer, JSONResponse):
-            return tokenizer
+        got = await body_and_tokenizer(request)
+        if isinstance(got, JSONResponse):
+            return got
+        body, tokenizer = got
         try:
             ids = tok.parse_detokenize_request(body, model_name, tokenizer.vocab_size)
         except oa.InvalidRequest as exc:
-            metrics.requests.labels(status="rejected").inc()
-            return error_response(400, exc.message, param=exc.param, code=exc.code)
+            return reject(exc.message, exc.param, exc.code)
         return {"prompt": tokenizer.decode(ids)}
 
     @app.get("/tokenizer_info")
@@ -203,8 +207,7 @@ def build_app(aengine: EngineClient, model_name: str, chat_template: ChatTemplat
         try:
             return json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            metrics.requests.labels(status="rejected").inc()
-            return error_response(400, f"the request body is not valid JSON: {exc}", code="invalid_json")
+            return reject(f"the request body is not valid JSON: {exc}", code="invalid_json")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -219,11 +222,9 @@ def build_app(aengine: EngineClient, model_name: str, chat_template: ChatTemplat
                 cid, req.prompts, [req.params] * len(req.prompts), req.priority, timeout=req.timeout
             )
         except oa.InvalidRequest as exc:
-            metrics.requests.labels(status="rejected").inc()
-            return error_response(400, exc.message, param=exc.param, code=exc.code)
+            return reject(exc.message, exc.param, exc.code)
         except ValueError as exc:  # the engine refused a prompt (too long, bad token id, ...)
-            metrics.requests.labels(status="rejected").inc()
-            return error_response(400, str(exc), param=getattr(exc, "param", None) or "prompt")
+            return reject(str(exc), getattr(exc, "param", None) or "prompt")
         except EngineNotRunning as exc:
             return error_response(503, f"{exc}; try again later", "server_error")
         except ServerOverloaded as exc:  # too many requests waiting: refused at once, nothing queued
@@ -260,14 +261,11 @@ def build_app(aengine: EngineClient, model_name: str, chat_template: ChatTemplat
             cid = chat.new_chat_id()
             group = await aengine.add(cid, [prompt.token_ids], [params], req.priority, timeout=req.timeout)
         except oa.InvalidRequest as exc:
-            metrics.requests.labels(status="rejected").inc()
-            return error_response(400, exc.message, param=exc.param, code=exc.code)
+            return reject(exc.message, exc.param, exc.code)
         except NoChatTemplate as exc:
-            metrics.requests.labels(status="rejected").inc()
-            return error_response(400, f"{model_name!r}: {exc}", code="no_chat_template")
+            return reject(f"{model_name!r}: {exc}", code="no_chat_template")
         except ValueError as exc:  # the template refused the messages, or the engine the prompt
-            metrics.requests.labels(status="rejected").inc()
-            return error_response(400, str(exc), param=getattr(exc, "param", None) or "messages")
+            return reject(str(exc), getattr(exc, "param", None) or "messages")
         except EngineNotRunning as exc:
             return error_response(503, f"{exc}; try again later", "server_error")
         except ServerOverloaded as exc:  # too many requests waiting: refused at once, nothing queued

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from nanolab.engine.engine import Engine
@@ -48,18 +48,17 @@ class Faults:
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
 
-    @contextmanager
-    def slow(self) -> Iterator[None]:
-        flag = self.folder / "slow"
-        flag.touch()
-        try:
-            yield
-        finally:
-            flag.unlink(missing_ok=True)
+    def slow(self) -> AbstractContextManager[None]:
+        """Every forward sleeps while the block runs."""
+        return self._switched("slow")
+
+    def fail_once(self) -> AbstractContextManager[None]:
+        """The next forward raises (once)."""
+        return self._switched("fail_once")
 
     @contextmanager
-    def fail_once(self) -> Iterator[None]:
-        flag = self.folder / "fail_once"
+    def _switched(self, name: str) -> Iterator[None]:
+        flag = self.folder / name
         flag.touch()
         try:
             yield

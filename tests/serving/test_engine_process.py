@@ -1,6 +1,7 @@
 """Tests of the engine process's life cycle: it starts with the server, stops with it, and neither side
 outlives the other. (What the server answers with its engine in a process is tested by the server tests,
-which run on both layouts; that Ctrl-C stops `nanolab serve` and its engine process, by test_server.py.)"""
+which run on both layouts; that Ctrl-C stops `nanolab serve` and its engine process, and that a shutdown
+aborts running requests, by test_server.py.)"""
 
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ from nanolab.engine.config import EngineConfig  # noqa: E402
 from nanolab.model.config import ModelConfig  # noqa: E402
 from nanolab.model.loading import load_tokenizer, save_model  # noqa: E402
 from nanolab.model.transformer import Transformer  # noqa: E402
-from nanolab.serving.async_engine import EngineNotRunning  # noqa: E402
 from nanolab.serving.engine_process import EngineProcessError, ProcessAsyncEngine  # noqa: E402
 from nanolab.serving.server import build_app  # noqa: E402
 from nanolab.text.tokenizer import Tokenizer  # noqa: E402
@@ -77,32 +77,6 @@ def test_an_engine_that_cannot_be_built_fails_start_with_its_traceback(tmp_path:
     assert "Traceback" in str(info.value) and "no-such-checkpoint" in str(info.value)
     wait_until(lambda: aengine.process.exitcode is not None, "the engine process to end")
     assert not aengine.is_running
-
-
-def test_shutdown_aborts_running_requests_and_refuses_new_ones(checkpoint: Path, tmp_path: Path) -> None:
-    faults = Faults(tmp_path)
-    aengine = engine(checkpoint, tmp_path)
-    aengine.start()
-    params = SamplingParams(max_tokens=100, ignore_eos=True)
-
-    async def main() -> list:
-        with faults.slow():
-            group = await aengine.add("g", ["while True:"], [params])
-            items = [(await group.queue.get())[1]]  # a first token: the request is running
-            await asyncio.to_thread(aengine.shutdown)
-            while not items[-1].finished:
-                items.append((await group.queue.get())[1])
-        with pytest.raises(EngineNotRunning):
-            await aengine.add("h", ["a"], [params])
-        return items
-
-    items = asyncio.run(main())
-    assert items[-1].outputs[0].finish_reason == "abort"
-    assert len(items[-1].outputs[0].token_ids) < 100
-    assert aengine.process.exitcode == 0
-    m = aengine.metrics.registry.get_sample_value
-    assert m("nanolab_requests_running") == 0
-    assert m("nanolab_kv_blocks_free") + m("nanolab_kv_blocks_cached") == m("nanolab_kv_blocks_total")
 
 
 def test_deadlines_and_back_pressure_hold_across_the_process_boundary(

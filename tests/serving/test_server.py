@@ -121,21 +121,25 @@ class Live:
         return self._client
 
 
+def faulty_engine_for(llm: LLM, checkpoint: Path, folder: Path, engine_in: str):
+    """An engine over the checkpoint, in a thread (over ``llm``'s model) or in a process of its own, whose
+    forward watches ``folder`` for faults (see `helpers.engine_faults`)."""
+    if engine_in == "process":
+        factory = functools.partial(faulty_engine, str(checkpoint), str(folder))
+        return ProcessAsyncEngine(factory, llm.tokenizer)
+    llm.model.forward = faulty_forward(llm.model.forward, str(folder))
+    return AsyncEngine(llm.model, llm.tokenizer, llm.engine.config)
+
+
 @contextmanager
 def running_server(checkpoint: Path, folder: Path, engine_in: str = "thread") -> Iterator[Live]:
     """A server over the checkpoint, its engine in a thread of this process or in a process of its own;
     the engine's forward watches ``folder`` for faults (see `helpers.engine_faults`)."""
     llm = LLM(str(checkpoint))
-    faults = Faults(folder)
-    if engine_in == "process":
-        factory = functools.partial(faulty_engine, str(checkpoint), str(folder))
-        aengine = ProcessAsyncEngine(factory, llm.tokenizer)
-    else:
-        llm.model.forward = faulty_forward(llm.model.forward, str(folder))
-        aengine = AsyncEngine(llm.model, llm.tokenizer, llm.engine.config)
+    aengine = faulty_engine_for(llm, checkpoint, folder, engine_in)
     app = build_app(aengine, MODEL_NAME, llm.chat_template)
     with run_app(app) as url:
-        live = Live(url, app, httpx.Client(base_url=url, timeout=30), faults, engine_in)
+        live = Live(url, app, httpx.Client(base_url=url, timeout=30), Faults(folder), engine_in)
         try:
             yield live
         finally:
@@ -584,14 +588,16 @@ def test_stopping_the_server_stops_the_engine(checkpoint: Path, tmp_path: Path, 
         assert aengine.process.exitcode == 0, "the engine process did not end by itself"
 
 
-def test_shutdown_aborts_running_requests_frees_their_blocks_and_refuses_new_ones(checkpoint: Path) -> None:
-    llm = LLM(str(checkpoint))
-    aengine = AsyncEngine(llm.model, llm.tokenizer)
+@pytest.mark.parametrize("engine_in", ["thread", "process"])
+def test_shutdown_aborts_running_requests_frees_their_blocks_and_refuses_new_ones(
+    checkpoint: Path, tmp_path: Path, engine_in: str
+) -> None:
+    aengine = faulty_engine_for(LLM(str(checkpoint)), checkpoint, tmp_path, engine_in)
     aengine.start()
     params = SamplingParams(max_tokens=100, ignore_eos=True)
 
     async def main() -> list:
-        with patched_forward(aengine.engine.model, slow):
+        with Faults(tmp_path).slow():
             group = await aengine.add("g", ["while True:"], [params])
             items = [(await group.queue.get())[1]]  # a first token: the request is running
             await asyncio.to_thread(aengine.shutdown)
@@ -605,9 +611,13 @@ def test_shutdown_aborts_running_requests_frees_their_blocks_and_refuses_new_one
     assert items[-1].outputs[0].finish_reason == "abort"
     assert len(items[-1].outputs[0].token_ids) < 100
     assert not aengine._thread.is_alive()
-    st = aengine.engine.stats()
-    assert st.kv_blocks_free + st.kv_blocks_cached == st.kv_blocks_total
-    assert st.num_running == st.num_waiting == 0, "the server forgets finished requests"
+    if engine_in == "process":
+        assert aengine.process.exitcode == 0, "the engine process did not end by itself"
+    m = aengine.metrics.registry.get_sample_value
+    assert m("nanolab_kv_blocks_free") + m("nanolab_kv_blocks_cached") == m("nanolab_kv_blocks_total")
+    assert m("nanolab_requests_running") == m("nanolab_requests_waiting") == 0, (
+        "the server forgets finished requests"
+    )
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="sends SIGINT")
