@@ -214,13 +214,21 @@ def parse_stream(body: dict[str, Any]) -> tuple[bool, bool, bool]:
     """``stream``, ``stream_options.include_usage`` and vLLM's ``stream_options.continuous_usage_stats``
     (with ``include_usage``: the usage so far on every chunk, not null)."""
     stream = flag(body, "stream")
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    if options is None:
+        options = {}
     if not isinstance(options, dict):
         raise InvalidRequest(
             'stream_options must be an object such as {"include_usage": true}', "stream_options"
         )
     if options and not stream:
         raise InvalidRequest("stream_options is only allowed with stream=true", "stream_options")
+    for name in ("include_usage", "continuous_usage_stats"):
+        if not isinstance(options.get(name, False), (bool, type(None))):
+            raise InvalidRequest(
+                f"stream_options.{name} must be true or false, got {json.dumps(options[name])}",
+                "stream_options",
+            )
     include_usage = bool(options.get("include_usage"))
     return stream, include_usage, include_usage and bool(options.get("continuous_usage_stats"))
 
