@@ -543,14 +543,17 @@ class AsyncEngine(EngineClient):
         metrics: ServerMetrics | None = None,
         max_waiting: int | None = None,
         request_timeout: float | None = None,
+        loop_class: Callable[[Engine], Any] = EngineLoop,
         **components: Any,
     ) -> None:
         """Build the engine this front end owns (``components``: ``block_allocator``, ``prefix_cache``,
-        ``scheduler``, as for `Engine`); for ``max_waiting`` and ``request_timeout`` see `EngineClient`."""
+        ``scheduler``, as for `Engine`); for ``max_waiting`` and ``request_timeout`` see `EngineClient`.
+        ``loop_class(engine)`` builds the engine side: `EngineLoop`, or a class with its ``run`` (a
+        learner's, in Lab 8)."""
         super().__init__(metrics=metrics, max_waiting=max_waiting, request_timeout=request_timeout)
         self.engine = Engine(model, tokenizer, config, **components)
         self.tokenizer = tokenizer
-        self.loop = EngineLoop(self.engine)
+        self.loop = loop_class(self.engine)
         self._commands: queue.Queue[Command] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stopping = False
