@@ -239,6 +239,33 @@ LABS: dict[int, LabSpec] = {
         # Pure Python: the setup cell's toy parts (a scheduler, a block manager and a model runner whose
         # "model" reads every sequence back through its block table) stand in for the model, in the sandbox.
     ),
+    8: LabSpec(
+        number=8,
+        name="serving",
+        title="Lab 8: Serving it",
+        notebook="lab08_serving.ipynb",
+        setup_cells=("setup",),
+        graded_cells=MappingProxyType(
+            {
+                "validate": ("parse_completion_request",),
+                "sse": ("completion_events",),
+                "engine-loop": ("EngineLoop",),
+                "quantile": ("histogram_quantile",),
+            }
+        ),
+        blocked_modules=MappingProxyType(
+            {
+                "nanolab": _OWN_CODE,
+                "autograder": "graded code may not use the grader",
+                "vllm": "your server must be your own",
+                "sglang": "your server must be your own",
+                "fastapi": "the graded pieces need no web framework: the standard library is enough",
+                "pydantic": "validate the body yourself: that is the exercise",
+            }
+        ),
+        # Pure Python: the setup cell's toy engine stands in for the model, in the sandbox; the HTTP server
+        # runs only in the notebook's experiments.
+    ),
 }
 
 
