@@ -557,6 +557,8 @@ class AsyncEngine(EngineClient):
         self._commands: queue.Queue[Command] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._crashed: str | None = None  # why the loop died, if it did
+        self._crash_lock = threading.Lock()
         self.metrics.observe_stats(self.engine.stats())
 
     @property
@@ -585,13 +587,26 @@ class AsyncEngine(EngineClient):
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return (
+            self._thread is not None and self._thread.is_alive() and not self._stopping and not self._crashed
+        )
 
     def _send(self, cmd: Command) -> None:
         self._commands.put(cmd)
+        if self._crashed:  # the loop died after the caller checked is_running: refuse what it will never see
+            with self._crash_lock:
+                self._fail_everything(self._crashed)
 
     def _run(self) -> None:
-        self.loop.run(self._receive, self._deliver)
+        try:
+            self.loop.run(self._receive, self._deliver)
+        except (
+            BaseException
+        ) as exc:  # the loop itself broke (a plugged-in loop's bug): nobody may wait forever
+            log.exception("the engine loop crashed; the engine thread stops")
+            with self._crash_lock:
+                self._crashed = f"the engine loop crashed: {type(exc).__name__}: {exc}"
+                self._fail_everything(self._crashed)
 
     def _receive(self, timeout: float | None) -> Command | None:
         try:
