@@ -19,7 +19,8 @@ def cells_by_id(nb: dict) -> dict[str, dict]:
 
 
 def interface(source: str) -> set[tuple[str, str, str | None]]:
-    """(qualified name, signature, docstring) of every function and class in ``source``."""
+    """(qualified name, signature, docstring) of every function and class in ``source`` and of the methods of
+    its classes. A function's own body is not interface: helpers defined inside it are the learner's to write."""
     found = set()
 
     def visit(node: ast.AST, prefix: str) -> None:
@@ -28,7 +29,8 @@ def interface(source: str) -> set[tuple[str, str, str | None]]:
                 name = prefix + child.name
                 signature = ast.unparse(child.args) if isinstance(child, ast.FunctionDef) else ""
                 found.add((name, signature, ast.get_docstring(child)))
-                visit(child, name + ".")
+                if isinstance(child, ast.ClassDef):
+                    visit(child, name + ".")
 
     visit(ast.parse(source), "")
     return found
