@@ -31,8 +31,15 @@ def _is_int(x: object) -> bool:
 
 
 def _is_number(x: object) -> bool:
-    """An int or a float, not a bool (True is an int to Python, but not a temperature)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """An int or a float, not a bool (True is an int to Python, but not a temperature), that a float can hold
+    (an int of 400 digits is not: the sampler would fail on it in the middle of a step)."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        float(x)
+    except OverflowError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,11 @@ class RequestRejected(ValueError):
 
 def _check_timeout(value: Any, name: str) -> float:
     """A number of seconds > 0 (finite), or `ValueError` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+    try:
+        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < float(value) < math.inf
+    except OverflowError:  # an int too large for a float
+        ok = False
+    if not ok:
         raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
     return float(value)
 

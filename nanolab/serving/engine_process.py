@@ -51,6 +51,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import zmq
 
 from nanolab.engine.config import EngineConfig
@@ -102,11 +103,22 @@ class ProcessAsyncEngine(EngineClient):
         request_timeout: float | None = None,
         startup_timeout: float = 600.0,
         on_engine_death: Callable[[], None] | None = None,
+        torch_threads: int | None = None,
     ) -> None:
         """``factory`` builds the engine inside the process (see `engine_from_checkpoint`); ``tokenizer``
         is the front end's copy (for chat templates and the text of log-probabilities). For
-        ``max_waiting`` and ``request_timeout`` see `nanolab.serving.async_engine.EngineClient`."""
+        ``max_waiting`` and ``request_timeout`` see `nanolab.serving.async_engine.EngineClient`.
+        ``torch_threads``: torch's intra-op threads in the engine process (None: as many as this process
+        uses when `start` is called, so ``torch.set_num_threads`` here holds there too; a fresh
+        interpreter would otherwise take one per core, and their spinning starves the front end)."""
         super().__init__(metrics=metrics, max_waiting=max_waiting, request_timeout=request_timeout)
+        if torch_threads is not None and (
+            isinstance(torch_threads, bool) or not isinstance(torch_threads, int) or torch_threads < 1
+        ):
+            raise ValueError(
+                f"torch_threads must be an integer >= 1 (None: this process's), got {torch_threads!r}"
+            )
+        self.torch_threads = torch_threads
         self.factory = factory
         self.tokenizer = tokenizer
         self.startup_timeout = startup_timeout
@@ -142,7 +154,7 @@ class ProcessAsyncEngine(EngineClient):
         spawn = multiprocessing.get_context("spawn")
         self.process = spawn.Process(
             target=run_engine_core,
-            args=(self.factory, *addresses, os.getpid()),
+            args=(self.factory, *addresses, os.getpid(), self.torch_threads or torch.get_num_threads()),
             name="nanolab-engine-core",
             daemon=True,  # multiprocessing also ends it when this interpreter exits
         )
@@ -262,9 +274,13 @@ class _FrontEndGone(Exception):
     pass
 
 
-def run_engine_core(factory: Callable[[], Engine], commands: str, outputs: str, parent: int) -> None:
+def run_engine_core(
+    factory: Callable[[], Engine], commands: str, outputs: str, parent: int, torch_threads: int | None = None
+) -> None:
     """The engine process's main: build the engine, say ready, run `EngineLoop` until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when to stop (see `start`)
+    if torch_threads is not None:
+        torch.set_num_threads(torch_threads)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)

@@ -64,7 +64,8 @@ def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> floa
     ``+Inf`` (what ``_bucket`` samples hold). The estimate finds the bucket that holds the rank
     ``q * count`` and interpolates linearly inside it, taking the observations as spread evenly between
     its bounds (the first bucket's lower bound is 0). A rank that falls in the +Inf bucket gets the
-    largest finite bound. NaN when the histogram is empty.
+    largest finite bound. NaN when the histogram is empty, or has no finite bound (the +Inf bucket
+    alone: it says how many, not how long).
 
     The error is up to the width of the bucket: with bounds 0.1 and 0.25, every p99 between them reads
     as somewhere in that range, whatever the real latencies were.
@@ -77,7 +78,7 @@ def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> floa
     if not buckets or buckets[-1][0] != math.inf:
         raise ValueError("the last bucket must be +Inf (the histogram's count)")
     total = buckets[-1][1]
-    if total == 0:
+    if total == 0 or len(buckets) < 2:
         return math.nan
     rank = q * total
     lower, below = 0.0, 0.0

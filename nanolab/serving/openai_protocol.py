@@ -245,11 +245,21 @@ def parse_timeout(body: dict[str, Any]) -> float | None:
     timeout = body.get("timeout")
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+    if not _finite_seconds(timeout):
         raise InvalidRequest(
             f"timeout must be a number of seconds > 0 (the request's deadline), got {timeout!r}", "timeout"
         )
     return float(timeout)
+
+
+def _finite_seconds(value: Any) -> bool:
+    """A number > 0 that a float holds as finite (not a bool, not NaN, not an int too large for a float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return 0 < float(value) < math.inf
+    except OverflowError:
+        return False
 
 
 def new_completion_id() -> str:

@@ -41,6 +41,14 @@ def faulty_engine(path: str, folder: str, config=None) -> Engine:
     return Engine(model, load_tokenizer(path), config)
 
 
+def engine_noting_threads(path: str, note: str) -> Engine:
+    """The engine process's factory: the checkpoint at ``path``, after writing torch's thread count to ``note``."""
+    import torch
+
+    Path(note).write_text(str(torch.get_num_threads()))
+    return Engine(load_model(path), load_tokenizer(path))
+
+
 class Faults:
     """The test's side of the switches in ``folder``."""
 

@@ -24,7 +24,7 @@ import torch
 pytest.importorskip("zmq")
 httpx = pytest.importorskip("httpx")
 
-from helpers.engine_faults import Faults, faulty_engine  # noqa: E402
+from helpers.engine_faults import Faults, engine_noting_threads, faulty_engine  # noqa: E402
 from helpers.live_server import alive, engine_children, run_app, wait_healthy  # noqa: E402
 
 from nanolab import SamplingParams  # noqa: E402
@@ -77,6 +77,32 @@ def test_an_engine_that_cannot_be_built_fails_start_with_its_traceback(tmp_path:
     assert "Traceback" in str(info.value) and "no-such-checkpoint" in str(info.value)
     wait_until(lambda: aengine.process.exitcode is not None, "the engine process to end")
     assert not aengine.is_running
+
+
+@pytest.mark.parametrize("given", [None, 2])
+def test_the_engine_process_runs_torch_with_the_threads_asked_for_or_this_process_s(
+    checkpoint: Path, tmp_path: Path, given: int | None
+) -> None:
+    """A fresh interpreter would take one torch thread per core; the engine process takes ``torch_threads``,
+    or as many as the process that started it uses."""
+    note = tmp_path / "threads"
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        aengine = ProcessAsyncEngine(
+            functools.partial(engine_noting_threads, str(checkpoint), str(note)), torch_threads=given
+        )
+        aengine.start()
+        aengine.shutdown()
+    finally:
+        torch.set_num_threads(before)
+    assert note.read_text() == str(given or 1)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True])
+def test_a_bad_torch_threads_is_a_value_error(value) -> None:
+    with pytest.raises(ValueError, match="torch_threads"):
+        ProcessAsyncEngine(lambda: None, torch_threads=value)
 
 
 def test_deadlines_and_back_pressure_hold_across_the_process_boundary(

@@ -195,6 +195,8 @@ def test_histogram_quantile_interpolates_inside_the_bucket_that_holds_the_rank()
     # a rank beyond the last finite bound can only be said to be beyond it
     assert histogram_quantile(0.99, [(0.1, 2.0), (0.2, 6.0), (math.inf, 10.0)]) == 0.2
     assert math.isnan(histogram_quantile(0.5, [(0.1, 0.0), (math.inf, 0.0)]))
+    # the +Inf bucket alone counts observations but bounds none (Prometheus answers NaN too)
+    assert math.isnan(histogram_quantile(0.5, [(math.inf, 4.0)]))
 
 
 @pytest.mark.parametrize(

@@ -63,6 +63,8 @@ def test_prompts_of_every_shape_and_a_stop_string_becomes_a_list():
         ("temperature", math.nan),
         ("temperature", True),
         ("temperature", "1"),
+        ("temperature", 10**400),  # no float holds it: the sampler would fail in the middle of a step
+        ("top_p", -(10**400)),
         ("top_p", 0),
         ("top_p", 1.5),
         ("top_p", math.nan),
@@ -123,3 +125,10 @@ def test_a_body_that_is_not_an_object_is_refused_without_a_param(body):
     with pytest.raises(InvalidRequest) as e:
         parse_completion_request(body, "tinypy")
     assert e.value.param is None
+
+
+def test_an_int_a_float_cannot_hold_is_refused_as_a_timeout_too():
+    with pytest.raises(InvalidRequest) as e:
+        parse(prompt="x", timeout=10**400)
+    assert e.value.param == "timeout"
+    assert parse(prompt="x", timeout=10**30).timeout == 1e30  # large, but a float holds it
