@@ -25,6 +25,8 @@ from typing import NamedTuple
 
 import torch
 
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -82,8 +84,6 @@ class SamplingParams:
             raise ValueError(f"top_k must be None (off) or an integer >= 1, got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is not None:
             if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
@@ -98,6 +98,13 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1 (samples per prompt), got {self.n!r}")
+        # torch seeds a generator with a 64-bit value; sample i of n is seeded seed + i
+        if self.seed is not None and (
+            not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1)
+        ):
+            raise ValueError(
+                f"seed must be an integer in [-2**63, 2**64 - n] (sample i is seeded seed + i) or None, got {self.seed!r}"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:

@@ -78,6 +78,8 @@ def test_prompts_of_every_shape_and_a_stop_string_becomes_a_list():
         ("stop", {"a": 1}),
         ("seed", 1.5),
         ("seed", "1"),
+        ("seed", 2**64),  # torch seeds with 64 bits
+        ("seed", -(2**63) - 1),
         ("stream", 1),
         ("stream", "true"),
         ("stream_options", {"include_usage": True}),  # without stream=true
@@ -132,3 +134,11 @@ def test_an_int_a_float_cannot_hold_is_refused_as_a_timeout_too():
         parse(prompt="x", timeout=10**400)
     assert e.value.param == "timeout"
     assert parse(prompt="x", timeout=10**30).timeout == 1e30  # large, but a float holds it
+
+
+def test_the_last_sample_s_seed_must_fit_too():
+    """Sample i is seeded seed + i: with n = 2 the largest seed is one less."""
+    assert parse(prompt="x", seed=2**64 - 2, n=2).params.seed == 2**64 - 2
+    with pytest.raises(InvalidRequest) as e:
+        parse(prompt="x", seed=2**64 - 1, n=2)
+    assert e.value.param == "seed"
