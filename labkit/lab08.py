@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math  # noqa: F401 (for your code: math.inf, math.isfinite)
 import time
 from collections import deque
 from collections.abc import Callable, Sequence

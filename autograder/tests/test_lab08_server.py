@@ -170,7 +170,9 @@ class LearnersEngine(EngineClient):
 @contextlib.contextmanager
 def serving(aengine: LearnersEngine) -> Iterator[str]:
     """nanolab's server over ``aengine`` on a free port of 127.0.0.1, always stopped."""
-    sock = socket.socket()
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose protocol says TCP, and without it
+    # every response on a kept-alive connection waits about 40 ms for a delayed ACK
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(build_app(aengine, "toy"), log_level="critical"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
