@@ -20,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 SANDBOX_FOLDERS = ("autograder", "labs")  # every module there grades notebooks or starts a sandbox
 SANDBOX_FREE = {"test_autograder_layers.py", "test_lab01_solution.py", "test_lab02_solution.py",
                 "test_lab03_solution.py", "test_lab05_solution.py", "test_lab06_solution.py",
-                "test_lab07_solution.py"}  # fmt: skip
+                "test_lab07_solution.py", "test_lab08_solution.py"}  # fmt: skip
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
