@@ -428,7 +428,13 @@ def compare_events(got: list, want: list, where: str) -> None:
     for i, (a, b) in enumerate(zip(got, want)):
         if a == b:
             continue
-        if isinstance(b, dict) and "error" in b:
+        chunk = isinstance(a, dict) and bool(a.get("choices"))
+        if chunk and not (isinstance(b, dict) and b.get("choices")):  # a chunk where the stream has none
+            hint = (
+                "a chunk more than the stream has here: one per sample that has new text or finishes now, "
+                "the finish reason sent once, nothing after the stream is over"
+            )
+        elif isinstance(b, dict) and "error" in b:
             hint = "a failed step ends the stream with the error event (type server_error), then [DONE]"
         elif b == "[DONE]":
             hint = "the stream is over once every prompt's request finished (or an error came): then [DONE]"

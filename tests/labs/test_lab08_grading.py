@@ -116,7 +116,11 @@ def test_feedback_names_the_mistake_without_the_answer(batch):
     assert "outside KNOWN_FIELDS, sorted" in outputs["ignored_unsorted"]
     assert any(
         hint in outputs["finish_reason_every_output"]
-        for hint in ("the finish reason (sent once)", "a sample that has new text or finishes now")
+        for hint in (
+            "the finish reason (sent once)",
+            "a sample that has new text or finishes now",
+            "the finish reason sent once",
+        )
     ), outputs["finish_reason_every_output"]
     assert "live requests only" in outputs["route_passes_everything"]
     assert "whose deadline is now or earlier" in outputs["expire_strictly_before"]
