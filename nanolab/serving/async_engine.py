@@ -31,14 +31,14 @@ generated so far, reaches the handler like any other.
 
 Back-pressure: with ``max_waiting=N``, `add` refuses a call at once with `ServerOverloaded` (queueing
 nothing) when N requests or more are already waiting, that is, not yet admitted into the running batch,
-counting the adds still on their way to the engine. The asyncio side counts those itself, so a burst of
-calls between two steps cannot overshoot the limit.
+counting the adds still on their way to the engine. The asyncio side counts those itself (`Admission`), so
+a burst of calls between two steps cannot overshoot the limit.
 
 Failure is contained: if a step raises, the requests that were running fail with `EngineStepError`
 (their KV blocks are freed by aborting them) and the loop goes on with the next command.
 
 Deliberately left out: several engines (data parallelism), a retry delay estimated from the load
-(`ServerOverloaded.retry_after` is a fixed ``retry_after``).
+(`ServerOverloaded.retry_after` is `Admission`'s fixed ``retry_after``).
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ __all__ = [
     "EngineLoop",
     "EngineNotRunning",
     "EngineStepError",
+    "Admission",
     "RequestGroup",
     "RequestRejected",
     "ServerOverloaded",
@@ -92,6 +93,56 @@ class ServerOverloaded(RuntimeError):
     def __init__(self, message: str, retry_after: int = 1) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class Admission:
+    """The front end's count of waiting requests, and its refusal beyond ``max_waiting`` (None: no limit).
+
+    A request waits from the moment its add is sent until the engine admits it into the running batch. The
+    engine's own count (``engine_waiting``) comes back only with its rounds, so between two rounds this
+    side adds what it sent since: ``waiting = engine_waiting + sent - handled``, where ``sent`` counts the
+    prompts of every add let through and ``handled`` (from the same round) those the engine side had taken
+    off its queue by then. Counting on the engine's number alone would let a burst of adds that arrives
+    between two rounds through, all of it.
+
+    `admit` may run in several threads at once, and alongside `on_round` (the thread that receives
+    rounds): the check and the count are one step under a lock, and a round's two numbers are stored as
+    one pair, so no request is ever counted in neither.
+    """
+
+    def __init__(self, max_waiting: int | None = None, retry_after: int = 1) -> None:
+        if max_waiting is not None and (
+            isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1
+        ):
+            raise ValueError(f"max_waiting must be an integer >= 1 (None: no limit), got {max_waiting!r}")
+        self.max_waiting, self.retry_after = max_waiting, retry_after
+        self._lock = threading.Lock()
+        self._sent = 0
+        self._seen: tuple[int, int] = (0, 0)  # (handled, engine_waiting) of the last round
+
+    @property
+    def waiting(self) -> int:
+        """Requests not admitted into the running batch yet, adds on their way included (an upper bound:
+        the engine's part is as of its last round)."""
+        handled, engine_waiting = self._seen
+        return engine_waiting + self._sent - handled
+
+    def admit(self, num_prompts: int) -> None:
+        """Let an add of ``num_prompts`` requests through (counting them), or raise `ServerOverloaded`
+        (counting nothing) when ``max_waiting`` requests or more are waiting."""
+        with self._lock:  # check and count as one: concurrent calls cannot both take the last place
+            if self.max_waiting is not None and (waiting := self.waiting) >= self.max_waiting:
+                raise ServerOverloaded(
+                    f"the server is overloaded: {waiting} requests are waiting, its limit is "
+                    f"{self.max_waiting} (max_waiting); try again in {self.retry_after} s",
+                    self.retry_after,
+                )
+            self._sent += num_prompts
+
+    def on_round(self, handled: int, engine_waiting: int) -> None:
+        """A round came back: the engine side had taken ``handled`` prompts off its queue, and
+        ``engine_waiting`` requests were waiting in the engine."""
+        self._seen = (handled, engine_waiting)  # one assignment: read whole
 
 
 class RequestRejected(ValueError):
@@ -356,7 +407,6 @@ class EngineClient:
     every `Round` it hands back, from one thread that is not an event loop's.
     """
 
-    retry_after = 1  # seconds a refused client is told to wait (ServerOverloaded.retry_after)
     tokenizer: Any = None
     config: EngineConfig  # the resolved settings the engine runs with
 
@@ -366,27 +416,23 @@ class EngineClient:
         metrics: ServerMetrics | None = None,
         max_waiting: int | None = None,
         request_timeout: float | None = None,
+        admission: Any = None,
     ) -> None:
         """``max_waiting``: refuse new calls (`ServerOverloaded`) while this many requests wait to be
         admitted (None: no limit). ``request_timeout``: the deadline, in seconds, of a request whose
-        `add` gives none (None: no deadline)."""
-        if max_waiting is not None and (
-            isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1
-        ):
-            raise ValueError(f"max_waiting must be an integer >= 1 (None: no limit), got {max_waiting!r}")
-        self.max_waiting = max_waiting
+        `add` gives none (None: no deadline). ``admission``: the object that counts waiting requests and
+        refuses (an `Admission`, or one with its ``max_waiting``, ``waiting``, ``admit`` and ``on_round``,
+        a learner's in Lab 8); None: ``Admission(max_waiting)``."""
+        if admission is not None and max_waiting is not None:
+            raise ValueError("give max_waiting or admission, not both (an admission has its own max_waiting)")
+        self.admission = Admission(max_waiting) if admission is None else admission
         self.request_timeout = (
             None if request_timeout is None else _check_timeout(request_timeout, "request_timeout")
         )
         self.metrics = metrics or ServerMetrics()
-        self.metrics.max_waiting.set(math.inf if max_waiting is None else max_waiting)
-        # Waiting requests, as this side counts them: prompts of the adds it sent (`_queued`, written
-        # under `_lock`) minus those the engine side took (`_admission[0]`), plus the engine's own
-        # waiting requests (`_admission[1]`). Both numbers of `_admission` come from one round, so no
-        # request is ever counted in neither.
-        self._lock = threading.Lock()
-        self._queued = 0
-        self._admission: tuple[int, int] = (0, 0)
+        limit = self.admission.max_waiting
+        self.metrics.max_waiting.set(math.inf if limit is None else limit)
+        self._lock = threading.Lock()  # an add's admission, id and command go out in one order
         self._add_ids = itertools.count()
         self._pending: dict[int, _Pending] = {}  # adds sent, not yet acknowledged
         self._live: dict[str, _Live] = {}
@@ -414,13 +460,14 @@ class EngineClient:
     # -- the API the HTTP handlers use ----------------------------------------------------------------
 
     @property
-    def num_waiting(self) -> int:
-        """Requests not admitted into the running batch yet, adds still on their way to the engine included.
+    def max_waiting(self) -> int | None:
+        return self.admission.max_waiting
 
-        The engine's part is as of its last round (requests admitted since still count): an upper bound.
-        """
-        handled, engine_waiting = self._admission
-        return engine_waiting + self._queued - handled
+    @property
+    def num_waiting(self) -> int:
+        """Requests not admitted into the running batch yet, adds still on their way to the engine included
+        (see `Admission.waiting`)."""
+        return self.admission.waiting
 
     async def add(
         self,
@@ -446,15 +493,12 @@ class EngineClient:
         group = RequestGroup(group_id, len(prompts), asyncio.get_running_loop())
         deadline = None if timeout is None else group.arrival + timeout
         accepted: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:  # check and count as one: concurrent calls cannot both take the last place
-            if self.max_waiting is not None and (waiting := self.num_waiting) >= self.max_waiting:
+        with self._lock:
+            try:
+                self.admission.admit(len(prompts))
+            except ServerOverloaded:
                 self.metrics.requests.labels(status="overloaded").inc()
-                raise ServerOverloaded(
-                    f"the server is overloaded: {waiting} requests are waiting, its limit is "
-                    f"{self.max_waiting} (max_waiting); try again in {self.retry_after} s",
-                    self.retry_after,
-                )
-            self._queued += len(prompts)
+                raise
             add_id = next(self._add_ids)
             self._pending[add_id] = _Pending(group, accepted)
             self._send(AddCommand(add_id, group.request_ids, list(prompts), list(params), priority, deadline))
@@ -509,7 +553,7 @@ class EngineClient:
                 out.append((live.group, live.index, EngineStepError(why, [])))
         if rnd.stats is not None:
             self.metrics.observe_stats(rnd.stats)
-            self._admission = (rnd.handled, rnd.stats.num_waiting)  # one assignment: read whole
+            self.admission.on_round(rnd.handled, rnd.stats.num_waiting)
         self._post(out)
 
     def _fail_everything(self, why: str) -> None:
@@ -547,14 +591,18 @@ class AsyncEngine(EngineClient):
         metrics: ServerMetrics | None = None,
         max_waiting: int | None = None,
         request_timeout: float | None = None,
+        admission: Any = None,
         loop_class: Callable[[Engine], Any] = EngineLoop,
         **components: Any,
     ) -> None:
         """Build the engine this front end owns (``components``: ``block_allocator``, ``prefix_cache``,
-        ``scheduler``, as for `Engine`); for ``max_waiting`` and ``request_timeout`` see `EngineClient`.
+        ``scheduler``, as for `Engine`); for ``max_waiting``, ``request_timeout`` and ``admission`` see
+        `EngineClient`.
         ``loop_class(engine)`` builds the engine side: `EngineLoop`, or a class with its ``run`` (a
         learner's, in Lab 8)."""
-        super().__init__(metrics=metrics, max_waiting=max_waiting, request_timeout=request_timeout)
+        super().__init__(
+            metrics=metrics, max_waiting=max_waiting, request_timeout=request_timeout, admission=admission
+        )
         self.engine = Engine(model, tokenizer, config, **components)
         self.tokenizer = tokenizer
         self.loop = loop_class(self.engine)

@@ -90,7 +90,14 @@ def parse_chat_request(body: Any, model_name: str) -> ChatRequest:
         fields["max_tokens"] = body["max_completion_tokens"]
     given = fields.get("max_tokens") is not None
     fields["logprobs"] = parse_chat_logprobs(body)
-    params = parse_sampling_params(fields, _UNSUPPORTED, defaults={"max_tokens": 1})
+    try:
+        params = parse_sampling_params(fields, _UNSUPPORTED, defaults={"max_tokens": 1})
+    except InvalidRequest as exc:
+        if exc.param == "max_tokens" and body.get("max_completion_tokens") is not None:
+            # the value came from max_completion_tokens (it wins over max_tokens): name the field sent
+            message = exc.message.replace("max_tokens", "max_completion_tokens", 1)
+            raise InvalidRequest(message, "max_completion_tokens") from None
+        raise
     stream, include_usage, continuous_usage = parse_stream(body)
     add_generation_prompt, template_kwargs = parse_template_options(body)
     return ChatRequest(

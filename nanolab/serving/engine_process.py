@@ -101,17 +101,20 @@ class ProcessAsyncEngine(EngineClient):
         metrics: ServerMetrics | None = None,
         max_waiting: int | None = None,
         request_timeout: float | None = None,
+        admission: Any = None,
         startup_timeout: float = 600.0,
         on_engine_death: Callable[[], None] | None = None,
         torch_threads: int | None = None,
     ) -> None:
         """``factory`` builds the engine inside the process (see `engine_from_checkpoint`); ``tokenizer``
         is the front end's copy (for chat templates and the text of log-probabilities). For
-        ``max_waiting`` and ``request_timeout`` see `nanolab.serving.async_engine.EngineClient`.
+        ``max_waiting``, ``request_timeout`` and ``admission`` see `nanolab.serving.async_engine.EngineClient`.
         ``torch_threads``: torch's intra-op threads in the engine process (None: as many as this process
         uses when `start` is called, so ``torch.set_num_threads`` here holds there too; a fresh
         interpreter would otherwise take one per core, and their spinning starves the front end)."""
-        super().__init__(metrics=metrics, max_waiting=max_waiting, request_timeout=request_timeout)
+        super().__init__(
+            metrics=metrics, max_waiting=max_waiting, request_timeout=request_timeout, admission=admission
+        )
         if torch_threads is not None and (
             isinstance(torch_threads, bool) or not isinstance(torch_threads, int) or torch_threads < 1
         ):

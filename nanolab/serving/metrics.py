@@ -216,15 +216,21 @@ class ServerMetrics:
     def observe_output(
         self, out: RequestOutput, arrival: float, last_token_time: float | None, now: float
     ) -> None:
-        """Account for one incremental output that arrived at ``now`` (request received at ``arrival``)."""
+        """Account for one incremental output that arrived at ``now`` (request received at ``arrival``;
+        ``last_token_time``: when its previous output with tokens arrived, None before its first).
+
+        Inter-token latency is per sample: the samples of a request (``n > 1``) run side by side, so each
+        sample's new tokens took the whole gap; a sample with ``k`` new tokens in one output (several
+        tokens per step) counts ``k`` latencies of ``gap / k``."""
         n_new = sum(len(c.delta_token_ids) for c in out.outputs)  # every sample's, when n > 1
         if n_new:
             self.generation_tokens.inc(n_new)
             if last_token_time is None:
                 self.ttft.observe(now - arrival)
             else:
-                for _ in range(n_new):
-                    self.itl.observe((now - last_token_time) / n_new)
+                for c in out.outputs:
+                    for _ in c.delta_token_ids:
+                        self.itl.observe((now - last_token_time) / len(c.delta_token_ids))
         if out.finished:
             self.requests.labels(status=out.outputs[0].finish_reason or "abort").inc()
             self.e2e.observe(now - arrival)

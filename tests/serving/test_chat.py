@@ -307,9 +307,15 @@ BAD_CHAT = {
     ),
     "bad max_completion_tokens": (
         {"messages": CONVERSATION, "max_completion_tokens": 0},
-        "max_tokens",
-        ">= 1",
+        "max_completion_tokens",
+        "max_completion_tokens must be an integer >= 1",
     ),
+    "bad max_completion_tokens beside a good max_tokens": (
+        {"messages": CONVERSATION, "max_tokens": 5, "max_completion_tokens": True},
+        "max_completion_tokens",
+        "max_completion_tokens must be",
+    ),
+    "bad max_tokens": ({"messages": CONVERSATION, "max_tokens": 0}, "max_tokens", "max_tokens must be"),
     "unknown model": ({"messages": CONVERSATION, "model": "gpt-17"}, "model", "unknown model"),
     "stream not a bool": ({"messages": CONVERSATION, "stream": "yes"}, "stream", "true or false"),
     "template kwargs not an object": (

@@ -144,6 +144,29 @@ def test_outputs_count_tokens_latencies_and_requests_by_finish_reason() -> None:
     assert requests_by_status(m) == {"timeout": 1, "stop": 1, "overloaded": 1}
 
 
+def test_inter_token_latency_is_per_sample_when_a_request_has_several() -> None:
+    # n = 3 samples, one new token each after 0.3 s: each sample waited 0.3 s for its token (the samples
+    # run side by side), so three latencies of 0.3, not of 0.1; a sample with two tokens splits its gap
+    m = ServerMetrics()
+    three = SimpleNamespace(
+        outputs=[SimpleNamespace(delta_token_ids=[7], finish_reason=None) for _ in range(3)], finished=False
+    )
+    m.observe_output(three, arrival=0.0, last_token_time=1.0, now=1.3)
+    uneven = SimpleNamespace(
+        outputs=[
+            SimpleNamespace(delta_token_ids=[7, 8], finish_reason=None),
+            SimpleNamespace(delta_token_ids=[], finish_reason="stop"),
+        ],
+        finished=False,
+    )
+    m.observe_output(uneven, arrival=0.0, last_token_time=1.3, now=1.5)
+    family = parse(m)["nanolab_inter_token_latency_seconds"]
+    count = next(s.value for s in family.samples if s.name.endswith("_count"))
+    total = next(s.value for s in family.samples if s.name.endswith("_sum"))
+    assert count == 5
+    assert math.isclose(total, 3 * 0.3 + 2 * 0.1, rel_tol=1e-9)
+
+
 def test_engine_stats_land_in_the_gauges_and_max_waiting_is_inf_without_a_limit() -> None:
     m = ServerMetrics()
     stats = SimpleNamespace(
