@@ -3,11 +3,14 @@ from __future__ import annotations
 import json
 import logging
 import math  # noqa: F401 (for your code: math.inf, math.isfinite)
+import threading  # noqa: F401 (for your code: threading.Lock)
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 log = logging.getLogger("lab08")
 
@@ -48,6 +51,19 @@ class CompletionRequest:
     ignored: tuple[str, ...] = ()  # the body's fields this server does not know, sorted
 
 
+@dataclass(frozen=True)
+class ChatRequest:
+    """A parsed, valid chat completions request (the fields of nanolab's this lab covers)."""
+
+    messages: list  # [{"role": str, "content": str}]: each message's role and its content as one string
+    params: SamplingParams  # max_tokens keeps its default when the body gives neither max_tokens field
+    max_tokens_given: bool  # false: the server gives the answer the room the model's context leaves
+    model: str
+    stream: bool = False
+    include_usage: bool = False
+    ignored: tuple[str, ...] = ()
+
+
 def sse(data: dict | str) -> str:
     """One server-sent event: ``data: <json>`` and a blank line (``data: [DONE]`` for the string "[DONE]")."""
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
@@ -85,6 +101,15 @@ class EngineStepError(RuntimeError):
     def __init__(self, message: str, outputs: Sequence[RequestOutput] = ()) -> None:
         super().__init__(message)
         self.outputs = list(outputs)
+
+
+class ServerOverloaded(RuntimeError):
+    """Too many requests are waiting: the call was refused and nothing was counted (nanolab's has the same
+    name). ``retry_after``: whole seconds after which a client may try again (HTTP's ``Retry-After``)."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 # ------------------------------------------------------------------- what crosses between the two sides
@@ -223,6 +248,80 @@ class LoopBase:
 
     def take_round(self) -> Round:
         raise NotImplementedError
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+STATUSES = ("stop", "length", "abort", "timeout", "error", "rejected", "overloaded")
+
+
+class MetricSet:
+    """The metrics your `observe_output` and `observe_stats` write: `prometheus_client` objects with the
+    names, labels and buckets of nanolab's `ServerMetrics` (which has the same attributes), registered in a
+    `CollectorRegistry` of their own (``registry``), so that several sets can live in one process.
+
+    Counters only go up (``.inc(amount=1)``); a counter with labels is one counter per label value
+    (``requests.labels(status="stop").inc()``). A histogram counts observations per bucket
+    (``.observe(seconds)``); a gauge holds one number (``.set(x)``).
+    """
+
+    def __init__(self, prefix: str = "nanolab") -> None:
+        r = self.registry = CollectorRegistry()
+        p = prefix
+        self.requests = Counter(f"{p}_requests_total", "Requests by final status.", ["status"], registry=r)
+        for status in STATUSES:
+            self.requests.labels(status=status)  # every status shows from the start, at 0
+        self.generation_tokens = Counter(
+            f"{p}_generation_tokens_total", "Output tokens generated.", registry=r
+        )
+        self.ttft = Histogram(
+            f"{p}_time_to_first_token_seconds",
+            "Time from receiving a request to its first output token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            f"{p}_inter_token_latency_seconds",
+            "Time between consecutive output tokens.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            f"{p}_e2e_request_latency_seconds",
+            "Time from receiving a request to its end.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge(f"{p}_requests_running", "Requests in the running batch.", registry=r)
+        self.waiting = Gauge(f"{p}_requests_waiting", "Requests waiting to be admitted.", registry=r)
+        self.kv_total = Gauge(f"{p}_kv_blocks_total", "KV cache blocks in the pool.", registry=r)
+        self.kv_free = Gauge(f"{p}_kv_blocks_free", "KV cache blocks free in the allocator.", registry=r)
+        self.kv_cached = Gauge(
+            f"{p}_kv_blocks_cached", "KV cache blocks held by the prefix cache.", registry=r
+        )
+        self.kv_usage = Gauge(f"{p}_kv_block_usage", "Fraction of KV blocks not free (0..1).", registry=r)
+
+    def values(self) -> dict[str, float]:
+        """Every sample now, by name (with its labels, as /metrics writes them), without ``_created``."""
+        out = {}
+        for family in self.registry.collect():
+            for s in family.samples:
+                if not s.name.endswith("_created"):
+                    labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                    out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+
+@dataclass
+class EngineStats:
+    """What `observe_stats` reads of the engine's snapshot (nanolab's `EngineStats` has these fields)."""
+
+    num_running: int  # requests in the running batch (holding KV blocks)
+    num_waiting: int  # requests waiting to be admitted
+    kv_blocks_total: int
+    kv_blocks_free: int  # free in the allocator
+    kv_blocks_cached: int  # held by the prefix cache
 
 
 # ------------------------------------------------------------------------- a toy engine to drive the loop

@@ -248,8 +248,12 @@ LABS: dict[int, LabSpec] = {
         graded_cells=MappingProxyType(
             {
                 "validate": ("parse_completion_request",),
+                "validate-chat": ("parse_chat_request",),
                 "sse": ("completion_events",),
+                "sse-chat": ("chat_events",),
                 "engine-loop": ("EngineLoop",),
+                "admission": ("Admission",),
+                "metrics": ("observe_output", "observe_stats"),
                 "quantile": ("histogram_quantile",),
             }
         ),
