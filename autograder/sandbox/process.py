@@ -26,6 +26,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,6 +68,9 @@ class Sandbox:
 
     def __post_init__(self) -> None:
         self._next_id = secrets.randbits(48)  # request ids: a reply must name the request it answers
+        # One request at a time on the pipe: a test may call into the sandbox from several threads (a
+        # server's handlers and its engine thread), and their messages must not interleave.
+        self._pipe_lock = threading.RLock()
 
     # -- life cycle
 
@@ -262,6 +266,10 @@ class Sandbox:
         return codec.encode(value, handle)
 
     def _request(self, message: dict, timeout: float | None) -> Any:
+        with self._pipe_lock:
+            return self._request_now(message, timeout)
+
+    def _request_now(self, message: dict, timeout: float | None) -> Any:
         if not self.alive or self._wfd is None:
             raise SandboxFailure("the submission's process is not running")
         if timeout is None:

@@ -268,7 +268,9 @@ LABS: dict[int, LabSpec] = {
             }
         ),
         # Pure Python: the setup cell's toy engine stands in for the model, in the sandbox; the HTTP server
-        # runs only in the notebook's experiments.
+        # runs in the grader (test_lab08_server.py) and in the notebook's experiments. prometheus_client:
+        # the setup's MetricSet, which the learner's accounting writes into.
+        packages=("prometheus_client",),
     ),
 }
 

@@ -30,11 +30,12 @@ import openai
 import pytest
 import uvicorn
 
+from autograder.testing import RemoteError
 from labkit.lab08 import SamplingParams as ToyParams
 from labkit.lab08 import ToyEngine
 from nanolab.engine.outputs import CompletionOutput, RequestOutput
 from nanolab.engine.stats import EngineStats
-from nanolab.serving.async_engine import STOP, AddCommand, EngineClient, Round
+from nanolab.serving.async_engine import STOP, AddCommand, EngineClient, Round, ServerOverloaded
 from nanolab.serving.server import build_app
 
 MAX_MODEL_LEN = 400
@@ -57,6 +58,30 @@ def long_prompt(rng, tokens: int) -> list[int]:
         prompt = [rng.randint(1, 25) for _ in range(rng.randint(2, 8))]
         if toy_text(prompt, tokens)[1] == "length":
             return prompt
+
+
+class LearnersAdmission:
+    """The learner's `Admission` (in the sandbox, through its handle) as nanolab's client calls it: the
+    learner's `ServerOverloaded` becomes nanolab's, which the HTTP side answers with 503."""
+
+    def __init__(self, lab, max_waiting: int, retry_after: int = 1) -> None:
+        self.inner = lab.Admission(max_waiting, retry_after)
+        self.max_waiting, self.retry_after = max_waiting, retry_after
+
+    @property
+    def waiting(self) -> int:
+        return self.inner.waiting
+
+    def admit(self, num_prompts: int) -> None:
+        try:
+            self.inner.admit(num_prompts)
+        except RemoteError as exc:
+            if exc.type_name != "ServerOverloaded":
+                raise
+            raise ServerOverloaded(exc.message, self.retry_after) from None
+
+    def on_round(self, handled: int, engine_waiting: int) -> None:
+        self.inner.on_round(handled, engine_waiting)
 
 
 class LearnersEngine(EngineClient):
@@ -326,8 +351,8 @@ def test_clients_that_leave_deadlines_and_bad_bodies_leave_the_server_serving(la
 
 
 def test_a_full_server_refuses_at_once_and_serves_what_it_accepted(lab, rng):
-    """with max_waiting 2, a burst of 12 requests gets only 200s and 503s with Retry-After, and every 200 carries its request's text"""
-    aengine = LearnersEngine(lab, step_delay=0.01, max_waiting=2)
+    """with your Admission at max_waiting 2, a burst of 12 requests gets only 200s and 503s with Retry-After, every 200 carries its request's text, and the count is back to 0 at the end"""
+    aengine = LearnersEngine(lab, step_delay=0.01, admission=LearnersAdmission(lab, 2))
     prompts = [[rng.randint(1, 25) for _ in range(4)] for _ in range(12)]
     with lab.time_limit(20), serving(aengine) as url:
 
@@ -336,6 +361,7 @@ def test_a_full_server_refuses_at_once_and_serves_what_it_accepted(lab, rng):
 
         with ThreadPoolExecutor(12) as pool:
             answers = list(pool.map(one, prompts))
+        left = aengine.admission.waiting
     statuses = [a.status_code for a in answers]
     assert not aengine.crashed, f"your loop failed: {aengine.crashed}"
     assert set(statuses) <= {200, 503} and 503 in statuses, (
@@ -350,3 +376,11 @@ def test_a_full_server_refuses_at_once_and_serves_what_it_accepted(lab, rng):
                 f"an accepted request (prompt {p}) got another text"
             )
     assert json.loads(answers[statuses.index(503)].text)["error"]["type"], "a 503 has OpenAI's error body"
+    assert statuses.count(200) >= 2, (
+        f"a burst of 12 on 4 seats and 2 waiting places: only {statuses.count(200)} were served: "
+        "does your Admission refuse while there is room?"
+    )
+    assert left == 0, (
+        f"every request finished, and your Admission still counts {left} waiting: "
+        "waiting is engine_waiting + sent - handled, with the last round's numbers"
+    )
