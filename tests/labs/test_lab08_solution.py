@@ -19,7 +19,7 @@ from labkit import lab08 as setup
 from nanolab.engine import outputs as nanolab_outputs
 from nanolab.engine.core import EngineStepError
 from nanolab.model.sampling import SamplingParams
-from nanolab.serving import async_engine, metrics, openai_protocol
+from nanolab.serving import async_engine, chat_protocol, metrics, openai_protocol
 
 ROOT = Path(__file__).resolve().parents[2]
 LAB08 = "lab08_serving.ipynb"
@@ -44,7 +44,16 @@ def test_lab08_learner_code_has_the_reference_signatures():
     assert parameters(namespace["parse_completion_request"]) == parameters(
         openai_protocol.parse_completion_request
     )
+    assert parameters(namespace["parse_chat_request"]) == parameters(chat_protocol.parse_chat_request)
     assert parameters(namespace["histogram_quantile"]) == parameters(metrics.histogram_quantile)
+    for method in ("__init__", "admit", "on_round"):
+        assert parameters(getattr(namespace["Admission"], method)) == parameters(
+            getattr(async_engine.Admission, method)
+        ), method
+    # the metric functions take the metric set where nanolab's methods take self
+    for name in ("observe_output", "observe_stats"):
+        mine = [p for p, _ in parameters(namespace[name])][1:]
+        assert mine == [p for p, _ in parameters(getattr(metrics.ServerMetrics, name))][1:], name
     loop = namespace["EngineLoop"]
     for method in ("__init__", "add", "expire", "step", "route", "take_round"):
         assert parameters(getattr(loop, method)) == parameters(getattr(async_engine.EngineLoop, method)), (
@@ -90,6 +99,31 @@ def test_lab08_setup_mirrors_the_reference_types():
     ]
     for data in ({"a": [1, None, "é"]}, "[DONE]"):
         assert setup.sse(data) == openai_protocol.sse(data)
+    chat = {f.name for f in dataclasses.fields(chat_protocol.ChatRequest)}
+    assert set(names(setup.ChatRequest)) <= chat
+    assert setup.ServerOverloaded.__name__ == async_engine.ServerOverloaded.__name__
+    assert (
+        setup.ServerOverloaded("full", 3).retry_after == async_engine.ServerOverloaded("full", 3).retry_after
+    )
+    # the setup's MetricSet: nanolab's names, kinds, labels and buckets for the metrics it holds
+    ours, theirs = setup.MetricSet(), metrics.ServerMetrics()
+    assert setup.LATENCY_BUCKETS == metrics.LATENCY_BUCKETS
+    for attribute, metric in vars(ours).items():
+        if attribute == "registry":
+            continue
+        reference = getattr(theirs, attribute)
+        assert type(metric) is type(reference), attribute
+        assert metric._name == reference._name and metric._labelnames == reference._labelnames, attribute
+
+    def key(sample) -> str:  # as MetricSet.values names a sample
+        labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+        return f"{sample.name}{{{labels}}}" if labels else sample.name
+
+    assert set(ours.values()) <= {key(s) for family in theirs.registry.collect() for s in family.samples}
+    stats_fields = set(names(setup.EngineStats))
+    from nanolab.engine.stats import EngineStats as NanolabStats
+
+    assert stats_fields <= set(names(NanolabStats))
 
 
 def test_lab08_graded_cells_run_without_the_notebook_imports():
@@ -101,6 +135,15 @@ def test_lab08_graded_cells_run_without_the_notebook_imports():
         {"prompt": "x", "top_p": 0.5, "temperature": 0}, "tinypy"
     )
     assert with_top_p.params.top_p == 0.5
+    admission = namespace["Admission"](1)  # its lock comes from the setup's threading import
+    admission.admit(1)
+    assert admission.waiting == 1
+    held = namespace["MetricSet"]()
+    output = namespace["RequestOutput"](
+        "r", [1], [namespace["CompletionOutput"](0, "a", [1], "stop", "a", [1])], True
+    )
+    namespace["observe_output"](held, output, 0.0, None, 0.25)
+    assert held.values()['nanolab_requests_total{status="stop"}'] == 1
 
 
 def test_lab08_docstring_examples_run_on_the_solution():
@@ -110,9 +153,9 @@ def test_lab08_docstring_examples_run_on_the_solution():
         doctest.DocTestFinder(),
         doctest.DocTestRunner(optionflags=doctest.IGNORE_EXCEPTION_DETAIL),
     )
-    names = ("parse_completion_request", "completion_events", "histogram_quantile")
+    names = ("parse_completion_request", "parse_chat_request", "completion_events", "histogram_quantile")
     tests = [t for name in names for t in finder.find(namespace[name], name, globs=namespace)]
-    assert sum(len(t.examples) for t in tests) >= 5
+    assert sum(len(t.examples) for t in tests) >= 6
     for test in tests:
         runner.run(test)
     assert runner.summarize(verbose=False).failed == 0
