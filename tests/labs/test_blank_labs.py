@@ -1,0 +1,54 @@
+"""Every check cell of every lab fails on the blank lab.
+
+A learner runs the generated notebook (``labs/``) before writing anything, or cell by cell past a cell that
+stopped at ``raise NotImplementedError()``. A check cell that passes then says "all checks passed" about code
+nobody wrote: it checked a value left over from a cell that stopped half way, or nothing of the learner's at
+all. So each blank lab runs top to bottom on a Jupyter kernel, carrying on past errors as a learner running
+cell by cell does, and each check cell (nbgrader ``grade: true``, no solution) must raise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[2]
+LABS = sorted((ROOT / "labs").glob("lab[0-9][0-9]_*.ipynb"))
+
+
+def check_cells(nb) -> list:
+    return [
+        c
+        for c in nb.cells
+        if c.cell_type == "code"
+        and c.metadata.get("nbgrader", {}).get("grade")
+        and not c.metadata.get("nbgrader", {}).get("solution")
+    ]
+
+
+def test_every_lab_is_checked() -> None:
+    assert len(LABS) >= 8, [p.name for p in LABS]
+
+
+@pytest.mark.parametrize("path", LABS, ids=[p.stem for p in LABS])
+def test_no_check_cell_passes_on_the_blank_lab(path: Path) -> None:
+    nb = nbformat.read(path, as_version=4)
+    checks = check_cells(nb)
+    assert checks, f"{path.name} has no check cells"
+    client = NotebookClient(
+        nb,
+        timeout=300,
+        kernel_name="python3",
+        allow_errors=True,
+        resources={"metadata": {"path": str(path.parent)}},
+    )
+    client.execute()
+    passing = [
+        c.metadata["nbgrader"]["grade_id"]
+        for c in checks
+        if not any(o.output_type == "error" for o in c.get("outputs", []))
+    ]
+    assert not passing, f"{path.name}: these check cells pass on the blank lab: {passing}"
