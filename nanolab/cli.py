@@ -1,4 +1,4 @@
-"""The `nanolab` command line: info, generate, bench (and grade, serve)."""
+"""The `nanolab` command line: info, generate, bench (and grade, gradescope, serve)."""
 
 from __future__ import annotations
 
@@ -115,6 +115,12 @@ def _cmd_grade(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _cmd_gradescope(args: argparse.Namespace) -> int:
+    from autograder.gradescope import kit_command
+
+    return kit_command(args)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from nanolab.serving.server import run_server
 
@@ -141,6 +147,14 @@ def build_parser(engine_args: bool = True) -> argparse.ArgumentParser:
     grade = sub.add_parser("grade", help="grade lab notebooks with the hidden tests (nanolab grade -h)")
     add_grade_arguments(grade)
     grade.set_defaults(func=_cmd_grade)
+
+    from autograder.gradescope import add_arguments as add_gradescope_arguments
+
+    gradescope = sub.add_parser(
+        "gradescope", help="write a lab's autograder zip for Gradescope (nanolab gradescope -h)"
+    )
+    add_gradescope_arguments(gradescope)
+    gradescope.set_defaults(func=_cmd_gradescope)
 
     gen = sub.add_parser("generate", help="continue a prompt with the model, streaming the text")
     gen.add_argument("prompt")

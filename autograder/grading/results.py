@@ -80,13 +80,14 @@ class SubmissionResult:
         fields = {k: v for k, v in data.items() if k not in ("score", "max_score", "tests")}
         return cls(tests=[TestResult(**t) for t in data.get("tests", [])], **fields)
 
-    def to_gradescope(self) -> dict[str, Any]:
-        """This result in Gradescope's ``results.json`` format."""
+    def to_gradescope(self, visibility: str | None = None) -> dict[str, Any]:
+        """This result in Gradescope's ``results.json`` format; ``visibility`` (Gradescope's: visible,
+        hidden, after_due_date, after_published), when given, is every test's and the result's."""
         return {
             "score": round(self.score, 4),
             "execution_time": round(self.execution_time, 3),
             "output": "\n".join(self.messages),
-            "visibility": "visible",
+            "visibility": visibility or "visible",
             "stdout_visibility": "hidden",
             "tests": [
                 {
@@ -95,7 +96,7 @@ class SubmissionResult:
                     "max_score": t.max_score,
                     "status": t.status,
                     "output": t.output,
-                    "visibility": t.visibility,
+                    "visibility": visibility or t.visibility,
                 }
                 for t in self.tests
             ],
