@@ -18,6 +18,7 @@ notebook graded then gets no credit.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import secrets
@@ -195,6 +196,7 @@ def _grade_task(conn: Any) -> None:
     os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     _not_dumpable()
     proctree.become_subreaper()  # what the submission detaches stays below this process
+    _preload_for(path, options.lab)
     _limit_memory(options.limits.grader_memory_mb)
     try:
         result = grade_notebook(path, options, tests, lambda *message: conn.send(message))
@@ -205,6 +207,20 @@ def _grade_task(conn: Any) -> None:
         proctree.reap()
     conn.send(("done", result.to_dict()))
     conn.close()
+
+
+def _preload_for(path: str, lab: int | None) -> None:
+    """Import the lab's big modules (torch) before the worker's memory cap is set, so that the cap bounds
+    what grading maps, not the size of the torch build: a CUDA build maps gigabytes more than the CPU one
+    on import, most of it reserved and never touched."""
+    try:
+        number = lab if lab is not None else notebook_lab(read_notebook(Path(path)), Path(path))
+        spec = LABS.get(number)
+    except Exception:  # noqa: BLE001 - unreadable: grade_notebook says so, with the cap in place
+        return
+    for module in spec.preload if spec is not None else ():
+        with contextlib.suppress(ImportError):
+            __import__(module)
 
 
 def _limit_memory(megabytes: int) -> None:
@@ -257,6 +273,13 @@ def _internal_failure(path: str, options: GradeOptions, error: BaseException) ->
     message = (
         f"the grader failed on this notebook ({type(error).__name__}: {error}); grade it again on its own"
     )
+    if isinstance(error, MemoryError) or (isinstance(error, OSError) and error.errno == errno.ENOMEM):
+        message = (
+            f"the grader ran out of memory on this notebook ({type(error).__name__}: {error}): a grading "
+            f"worker may map {options.limits.grader_memory_mb} MB on top of what it maps at its start "
+            "(the lab's preloaded modules included). If torch is a CUDA build where no GPU is used, install "
+            "the CPU build (pip install torch --index-url https://download.pytorch.org/whl/cpu)"
+        )
     return SubmissionResult(
         submission=path, lab=options.lab, graded=False, messages=[message], internal_error=message
     )

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import tomllib
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,7 +20,13 @@ def _name(requirement: str) -> str:
 def _pyproject_requirements() -> dict[str, str]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     reqs = project["dependencies"] + project["optional-dependencies"]["dev"]
-    return {_name(r): r for r in reqs}
+    # environment.yml pins Python 3.11: a requirement whose marker leaves 3.11 out is not for it
+    python = re.search(r"- python=(\S+)", (ROOT / "environment.yml").read_text()).group(1)
+    return {
+        _name(r): r
+        for r in reqs
+        if Requirement(r).marker is None or Requirement(r).marker.evaluate({"python_version": python})
+    }
 
 
 def _environment_pip_requirements() -> dict[str, str]:
