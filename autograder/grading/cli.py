@@ -75,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--details", action="store_true", help="print every test's result, also for many notebooks"
     )
+    parser.add_argument(
+        "--require-sandbox",
+        action="store_true",
+        help="grade nothing (exit 2) where the bubblewrap sandbox cannot start, rather than run the "
+        "submissions' code as a plain process",
+    )
 
 
 def grade_options(args: argparse.Namespace) -> GradeOptions:
@@ -97,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.tests is not None and not args.tests.is_dir():
         print(f"nanolab grade: the tests folder {args.tests} does not exist", file=sys.stderr)
+        return 2
+    if getattr(args, "require_sandbox", False) and not (status := isolation.status()).available:
+        print(f"nanolab grade: {status.describe()}", file=sys.stderr)
+        print("nanolab grade: --require-sandbox: nothing was graded", file=sys.stderr)
         return 2
     options = grade_options(args)
     threading.Thread(target=_say_which_sandbox, daemon=True).start()  # while the workers start

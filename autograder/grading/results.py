@@ -145,7 +145,8 @@ def write_json(results: list[SubmissionResult], path: Path) -> None:
     """A JSON list with, per submission, the Gradescope fields plus submission, lab, max_score, seed."""
     rows = []
     for r in results:
-        row = {"submission": r.submission, "lab": r.lab, "max_score": r.max_score, "graded": r.graded}
+        row = {"submission": r.submission, "student_id": student_id(r.submission), "lab": r.lab}
+        row |= {"max_score": r.max_score, "graded": r.graded}
         row |= r.to_gradescope() | {"seed": r.seed, "internal_error": r.internal_error}
         for test, data in zip(r.tests, row["tests"]):
             data["id"] = test.id
@@ -153,20 +154,34 @@ def write_json(results: list[SubmissionResult], path: Path) -> None:
     write_atomically(path, json.dumps(rows, indent=2) + "\n")
 
 
+def student_id(submission: str) -> str:
+    """Whose a submission is, from its path: in an nbgrader course, the folder after ``submitted``
+    (``submitted/<student id>/<assignment>/<notebook>``); else the folder the notebook is in
+    (``submissions/alice/lab01.ipynb`` -> ``alice``); empty for a notebook given without a folder."""
+    parts = Path(submission).parts
+    if "submitted" in parts[:-1]:
+        i = len(parts) - 1 - parts[::-1].index("submitted")
+        if i + 1 < len(parts) - 1:
+            return parts[i + 1]
+    return parts[-2] if len(parts) >= 2 and parts[-2] not in (".", "..") else ""
+
+
 def write_csv(results: list[SubmissionResult], path: Path) -> None:
-    """One row per submission: submission, lab, one column per test (its score), total, max, notes."""
+    """One row per submission: submission, student id (see `student_id`), lab, one column per test (its
+    score), total, max, notes."""
     test_ids: list[str] = []
     for r in results:
         test_ids += [t.id for t in r.tests if t.id not in test_ids]
     f = io.StringIO(newline="")
     writer = csv.writer(f)
-    writer.writerow(["submission", "lab", *test_ids, "total", "max_score", "notes"])
+    writer.writerow(["submission", "student_id", "lab", *test_ids, "total", "max_score", "notes"])
     for r in results:
         scores = {t.id: t.score for t in r.tests}
         notes = " | ".join(m.splitlines()[0] for m in r.messages if m)
         writer.writerow(
             [
                 r.submission,
+                student_id(r.submission),
                 r.lab,
                 *(_num(scores.get(i, 0.0)) for i in test_ids),
                 _num(r.score),
