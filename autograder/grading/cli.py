@@ -76,6 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--details", action="store_true", help="print every test's result, also for many notebooks"
     )
     parser.add_argument(
+        "--similarity",
+        action="store_true",
+        help="report graded code shared between submissions, or with the reference, in the CSV "
+        "(similar_to) and the JSON (similar); scores are not changed",
+    )
+    parser.add_argument(
         "--require-sandbox",
         action="store_true",
         help="grade nothing (exit 2) where the bubblewrap sandbox cannot start, rather than run the "
@@ -114,6 +120,13 @@ def run(args: argparse.Namespace) -> int:
     jobs = min(args.jobs, os.cpu_count() or 1, len(args.notebooks))
     results = grade(args.notebooks, options, jobs=jobs, progress=sys.stderr.isatty())
 
+    if getattr(args, "similarity", False):
+        from autograder.grading.similarity import annotate
+
+        annotate(results)
+        for r in results:
+            for m in r.similar:
+                print(f"similar: {r.submission} shares {m['score']:.0%} of its graded code with {m['with']}")
     print_table(results, sys.stdout, details=True if args.details else None)
     status = isolation.status()
     if not status.available and any(r.confined is False for r in results):

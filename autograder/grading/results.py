@@ -61,6 +61,9 @@ class SubmissionResult:
     internal_error: str | None = None  # a fault of the grader or its tests, not of the submission
     confined: bool | None = None  # whether the sandbox could not write outside its directory
     isolated: bool | None = None  # whether the sandbox ran under bubblewrap (autograder.sandbox.isolation)
+    # graded code shared with another submission or the reference (autograder.grading.similarity), when
+    # asked for: [{"with": submission path or "reference", "score": overlap}]; never changes the score
+    similar: list[dict] = field(default_factory=list)
 
     @property
     def score(self) -> float:
@@ -147,7 +150,7 @@ def write_json(results: list[SubmissionResult], path: Path) -> None:
     for r in results:
         row = {"submission": r.submission, "student_id": student_id(r.submission), "lab": r.lab}
         row |= {"max_score": r.max_score, "graded": r.graded}
-        row |= r.to_gradescope() | {"seed": r.seed, "internal_error": r.internal_error}
+        row |= r.to_gradescope() | {"seed": r.seed, "internal_error": r.internal_error, "similar": r.similar}
         for test, data in zip(r.tests, row["tests"]):
             data["id"] = test.id
         rows.append(row)
@@ -174,7 +177,9 @@ def write_csv(results: list[SubmissionResult], path: Path) -> None:
         test_ids += [t.id for t in r.tests if t.id not in test_ids]
     f = io.StringIO(newline="")
     writer = csv.writer(f)
-    writer.writerow(["submission", "student_id", "lab", *test_ids, "total", "max_score", "notes"])
+    writer.writerow(
+        ["submission", "student_id", "lab", *test_ids, "total", "max_score", "similar_to", "notes"]
+    )
     for r in results:
         scores = {t.id: t.score for t in r.tests}
         notes = " | ".join(m.splitlines()[0] for m in r.messages if m)
@@ -186,6 +191,7 @@ def write_csv(results: list[SubmissionResult], path: Path) -> None:
                 *(_num(scores.get(i, 0.0)) for i in test_ids),
                 _num(r.score),
                 _num(r.max_score),
+                "; ".join(f"{m['with']} ({m['score']:.0%})" for m in r.similar),
                 notes,
             ]
         )
