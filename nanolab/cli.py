@@ -1,4 +1,4 @@
-"""The `nanolab` command line: info, generate, bench (and grade, gradescope, serve)."""
+"""The `nanolab` command line: info, generate, bench (and grade, gradescope, release, serve)."""
 
 from __future__ import annotations
 
@@ -121,6 +121,12 @@ def _cmd_gradescope(args: argparse.Namespace) -> int:
     return kit_command(args)
 
 
+def _cmd_release(args: argparse.Namespace) -> int:
+    from autograder.release import release_command
+
+    return release_command(args)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from nanolab.serving.server import run_server
 
@@ -155,6 +161,15 @@ def build_parser(engine_args: bool = True) -> argparse.ArgumentParser:
     )
     add_gradescope_arguments(gradescope)
     gradescope.set_defaults(func=_cmd_gradescope)
+
+    from autograder.release import add_arguments as add_release_arguments
+
+    release = sub.add_parser(
+        "release",
+        help="write the learner edition: the labs and the package, without answers (nanolab release -h)",
+    )
+    add_release_arguments(release)
+    release.set_defaults(func=_cmd_release)
 
     gen = sub.add_parser("generate", help="continue a prompt with the model, streaming the text")
     gen.add_argument("prompt")

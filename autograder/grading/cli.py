@@ -107,6 +107,15 @@ def run(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         print("nanolab grade: --timeout must be positive", file=sys.stderr)
         return 2
+    from autograder.grading.grade import DEFAULT_TESTS_DIR
+
+    if args.tests is None and not DEFAULT_TESTS_DIR.is_dir():
+        print(
+            "nanolab grade: this nanolab has no hidden tests (a learner edition): your instructor grades your "
+            "notebooks; the check cells in each notebook are your feedback as you work",
+            file=sys.stderr,
+        )
+        return 2
     if args.tests is not None and not args.tests.is_dir():
         print(f"nanolab grade: the tests folder {args.tests} does not exist", file=sys.stderr)
         return 2

@@ -84,8 +84,9 @@ def learner_env(state: Path) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def make_lab(tmp: Path, *make_vars: str, timeout: float = 90) -> Iterator[Lab]:
-    """Run ``make lab`` with ``make_vars`` (e.g. ``WORK=...``) until JupyterLab answers; stop it after."""
+def make_lab(tmp: Path, *make_vars: str, timeout: float = 90, cwd: Path = ROOT) -> Iterator[Lab]:
+    """Run ``make lab`` in ``cwd`` (a checkout, or a learner edition whose ``.venv`` is this checkout's) with
+    ``make_vars`` (e.g. ``WORK=...``) until JupyterLab answers; stop it after."""
     port = free_port()
     args = f"--no-browser --ip 127.0.0.1 --port {port} --ServerApp.port_retries=0 --IdentityProvider.token={TOKEN}"
     log = tmp / "make-lab.log"
@@ -93,7 +94,7 @@ def make_lab(tmp: Path, *make_vars: str, timeout: float = 90) -> Iterator[Lab]:
     with open(log, "w") as out:
         proc = subprocess.Popen(
             ["make", "-s", "-o", STAMP, "lab", f"LAB_ARGS={args}", *make_vars],
-            cwd=ROOT,
+            cwd=cwd,
             env=learner_env(tmp / "jupyter-state"),
             stdin=subprocess.DEVNULL,
             stdout=out,
