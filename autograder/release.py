@@ -8,6 +8,12 @@ Makefile with ``make lab`` (set up, copy the labs into ``work/``, open JupyterLa
 README is the learners' part of nanolab's. ``--wheel`` also builds a wheel of the edition's package, for a
 class image (``pip install`` it after the CPU build of torch).
 
+For JupyterHub, the edition is also the build context of a single-user image: its ``Dockerfile`` starts from
+Jupyter's docker-stacks ``base-notebook``, installs the CPU build of torch and the edition, points
+JupyterLab at the learner's settings, and adds a start hook (``docker/start-nanolab.sh``, run by the image's
+``before-notebook.d``) that copies into ``~/work`` each lab a learner does not have yet, never overwriting
+one.
+
 In the edition, ``nanolab grade`` says that the hidden tests are the instructor's; the notebooks' check cells
 are the learner's feedback.
 """
@@ -35,6 +41,32 @@ EDITION_NOTE = (
     " Your instructor grades your notebooks with hidden tests; each notebook's check cells are your feedback"
     " as you work."
 )
+
+
+DOCKERFILE = """\
+# A JupyterHub single-user image for this class: `docker build -t nanolab-class .` in this folder, then
+# point JupyterHub's spawner at it (c.DockerSpawner.image or KubeSpawner's singleuser image).
+FROM quay.io/jupyter/base-notebook:python-3.11
+USER root
+RUN apt-get update && apt-get install -y --no-install-recommends build-essential cmake \\
+    && rm -rf /var/lib/apt/lists/*
+COPY . /opt/nanolab
+# the CPU build of torch (PyPI's Linux build brings CUDA), then the labs' package with its C++ kernel
+RUN pip install --no-cache-dir "torch=={torch}" --index-url https://download.pytorch.org/whl/cpu \\
+    && pip install --no-cache-dir /opt/nanolab && rm -rf /opt/nanolab/build
+# the learner's JupyterLab: no nbgrader instructor tools, no news popup
+ENV JUPYTER_CONFIG_PATH=/opt/nanolab/jupyter NANOLAB_HOME=/opt/nanolab
+# at each start: the labs a learner's home does not have yet, copied into ~/work (never overwriting)
+COPY docker/start-nanolab.sh /usr/local/bin/before-notebook.d/10-nanolab.sh
+USER ${{NB_UID}}
+"""
+
+START_HOOK = """\
+#!/usr/bin/env bash
+# Run by the image at each start (docker-stacks' before-notebook.d), as the learner: copy the labs the
+# learner's work folder does not have yet; a notebook already there is never written to.
+python3 "${NANOLAB_HOME:-/opt/nanolab}/scripts/working_copy.py" "${HOME}/work" || true
+"""
 
 
 def edition_makefile(text: str) -> str:
@@ -101,6 +133,14 @@ def release(out: Path, root: Path = ROOT) -> list[Path]:
         edition_readme((root / "README.md").read_text(encoding="utf-8")), encoding="utf-8"
     )
     (out / ".gitignore").write_text(".venv/\nbuild/\nwork/\n__pycache__/\n")
+    from autograder.gradescope import torch_version
+
+    (out / "Dockerfile").write_text(DOCKERFILE.format(torch=torch_version()))
+    (out / ".dockerignore").write_text(".venv\nbuild\nwork\ndist\n**/__pycache__\n")
+    (out / "docker").mkdir()
+    hook = out / "docker" / "start-nanolab.sh"
+    hook.write_text(START_HOOK)
+    hook.chmod(0o755)
     return sorted(p for p in out.rglob("*") if p.is_file())
 
 

@@ -111,3 +111,31 @@ def test_the_wheel_installs_a_grader_that_says_the_tests_are_the_instructor_s(
     done = subprocess.run([sys.executable, "-S", "-c", probe], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "no hidden tests" in done.stderr and "check cells" in done.stderr
+
+
+def test_the_jupyterhub_image_recipe_copies_what_it_names_and_its_start_hook_never_overwrites(
+    edition: Path, tmp_path: Path
+) -> None:
+    """As far as a machine without a Docker daemon goes: the Dockerfile's sources are in the edition, and the
+    start hook, run as the image runs it, gives a learner's home the labs and leaves their work alone."""
+    dockerfile = (edition / "Dockerfile").read_text()
+    assert dockerfile.count("FROM ") == 1 and "download.pytorch.org/whl/cpu" in dockerfile
+    for source in re.findall(r"(?m)^COPY (\S+) ", dockerfile):
+        assert (edition / source).exists(), source
+    config = re.search(r"JUPYTER_CONFIG_PATH=/opt/nanolab/(\S+)", dockerfile).group(1)
+    assert (edition / config / "jupyter_server_config.json").is_file()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    env = {"HOME": str(tmp_path / "home"), "NANOLAB_HOME": str(edition), "PATH": f"{bin_dir}:/usr/bin:/bin"}
+    (tmp_path / "home").mkdir()
+    hook = edition / "docker" / "start-nanolab.sh"
+    subprocess.run(["bash", str(hook)], env=env, check=True, capture_output=True)
+    work = tmp_path / "home" / "work"
+    assert sorted(p.name for p in work.glob("*.ipynb")) == sorted(
+        p.name for p in (ROOT / "labs").glob("*.ipynb")
+    )
+    mine = work / "lab01_tokenizer.ipynb"
+    mine.write_text('{"my": "work"}')
+    subprocess.run(["bash", str(hook)], env=env, check=True, capture_output=True)
+    assert mine.read_text() == '{"my": "work"}'
