@@ -56,7 +56,7 @@ class ChatRequest:
     """A parsed, valid chat completions request (the fields of nanolab's this lab covers)."""
 
     messages: list  # [{"role": str, "content": str}]: each message's role and its content as one string
-    params: SamplingParams  # max_tokens keeps its default when the body gives neither max_tokens field
+    params: SamplingParams  # max_tokens: a placeholder when max_tokens_given is false
     max_tokens_given: bool  # false: the server gives the answer the room the model's context leaves
     model: str
     stream: bool = False
