@@ -27,6 +27,20 @@ SOLUTION = ROOT / "solutions" / "lab08_serving.ipynb"
 LAB = ROOT / "labs" / "lab08_serving.ipynb"
 LIMITS = Limits(call_timeout_s=30, load_timeout_s=30, cpu_s=300, notebook_s=300)
 
+# Admission.admit: its check and count under the lock; and without the lock, a log line between them (a check and
+# a count with no call between them cannot be split by CPython's GIL, so dropping the lock alone never races).
+LOCKED_ADMIT = """        with self._lock:
+            if self.max_waiting is not None and (waiting := self.waiting) >= self.max_waiting:
+                raise ServerOverloaded(
+                    f"{waiting} requests are waiting, the limit is {self.max_waiting}: try again in {self.retry_after} s",
+                    self.retry_after,
+                )
+            self._sent += num_prompts"""
+UNLOCKED_ADMIT = """        if self.max_waiting is not None and (waiting := self.waiting) >= self.max_waiting:
+            raise ServerOverloaded(f"{waiting} requests are waiting", self.retry_after)
+        log.debug("admitted %d prompts", num_prompts)
+        self._sent += num_prompts"""
+
 PLANTED_BUGS = {
     # name: (cell, old, new, the hidden test that must catch it)
     "bool_is_an_int": (
@@ -65,6 +79,48 @@ PLANTED_BUGS = {
         "if bound == math.inf:\n                return bound",
         "test_quantile_matches_nanolab",
     ),
+    "chat_max_tokens_wins": (
+        "validate-chat",
+        'if newer is not None:\n        fields["max_tokens"] = newer',
+        'if newer is not None and fields.get("max_tokens") is None:\n        fields["max_tokens"] = newer',
+        "test_chat_parse_builds_the_same_request_as_nanolab",
+    ),
+    "chat_parts_not_checked": (
+        "validate-chat",
+        'p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):',
+        "True for p in content):",
+        "test_chat_parse_refuses_a_bad_field_naming_it",
+    ),
+    "chat_finish_on_every_output": (
+        "sse-chat",
+        "if c.finish_reason is not None and c.index not in finish_sent:",
+        "if c.finish_reason is not None:",
+        "test_chat_events_match_nanolab_stream",
+    ),
+    "admission_handled_not_subtracted": (
+        "admission",
+        "return engine_waiting + self._sent - handled",
+        "return engine_waiting + self._sent",
+        "test_admission_counts_like_nanolab",
+    ),
+    "admission_without_a_lock": (
+        "admission",
+        LOCKED_ADMIT,
+        UNLOCKED_ADMIT,
+        "test_admission_lets_exactly_max_waiting_through_racing_threads",
+    ),
+    "itl_split_across_samples": (
+        "metrics",
+        "m.itl.observe((now - last_token_time) / k)",
+        "m.itl.observe((now - last_token_time) / new)",
+        "test_observe_output_matches_nanolab",
+    ),
+    "kv_usage_is_free_fraction": (
+        "metrics",
+        "m.kv_usage.set(1 - stats.kv_blocks_free / stats.kv_blocks_total)",
+        "m.kv_usage.set(stats.kv_blocks_free / stats.kv_blocks_total)",
+        "test_observe_stats_sets_the_gauges",
+    ),
 }
 
 GARBAGE = {  # cell -> replacement for each stub, in order (wrong values of the right shapes)
@@ -80,6 +136,10 @@ GARBAGE = {  # cell -> replacement for each stub, in order (wrong values of the 
         "pass",
     ],
     "quantile": ["return float('nan')"],
+    "validate-chat": ["return _Yes()"],
+    "sse-chat": ["return _Yes(['data: [DONE]\\n\\n'])"],
+    "admission": ["pass", "return _Yes()", "pass", "pass"],
+    "metrics": ["pass", "pass"],
 }
 
 TAMPERED = {
@@ -125,6 +185,16 @@ def test_feedback_names_the_mistake_without_the_answer(batch):
     assert "live requests only" in outputs["route_passes_everything"]
     assert "whose deadline is now or earlier" in outputs["expire_strictly_before"]
     assert "the +Inf bucket gets the largest finite bound" in outputs["inf_bucket_is_inf"]
+    assert "max_completion_tokens when given (it wins over max_tokens)" in outputs["chat_max_tokens_wins"]
+    assert "refuse bad input with InvalidRequest" in outputs["chat_parts_not_checked"]
+    assert "finish reason goes out once, on a chunk of its own" in outputs["chat_finish_on_every_output"]
+    assert "waiting = engine_waiting + sent - handled" in outputs["admission_handled_not_subtracted"]
+    assert (
+        "one step under a lock, or two threads both take the last place"
+        in outputs["admission_without_a_lock"]
+    )
+    assert "k observations of (now - last_token_time) / k" in outputs["itl_split_across_samples"]
+    assert "the fraction of the pool's blocks that are not free" in outputs["kv_usage_is_free_fraction"]
 
 
 def test_a_bug_in_one_exercise_keeps_the_points_of_the_others(batch):
@@ -137,6 +207,39 @@ def test_a_bug_in_one_exercise_keeps_the_points_of_the_others(batch):
         "test_parse_refuses_a_bad_field_naming_it",
         "test_loop_matches_nanolab_round_by_round",
         "test_quantile_matches_nanolab",
+    ):
+        assert status[test_id] == "passed", test_id
+
+
+FRONT_DOOR = {  # the hidden tests of the chat parser, the chat stream, the admission and the metrics: points
+    "test_chat_parse_builds_the_same_request_as_nanolab": 1,
+    "test_chat_parse_refuses_a_bad_field_naming_it": 1,
+    "test_chat_events_match_nanolab_stream": 1,
+    "test_admission_counts_like_nanolab": 1,
+    "test_admission_lets_exactly_max_waiting_through_racing_threads": 1,
+    "test_observe_output_matches_nanolab": 1,
+    "test_observe_stats_sets_the_gauges": 1,
+}
+
+
+def test_the_front_door_is_worth_seven_points(batch):
+    """The solution earns the seven points of the chat, admission and metrics tests on top of the others'."""
+    earned = {t.id: t.score for t in batch["solution"].tests}
+    assert {name: earned.get(name) for name in FRONT_DOOR} == FRONT_DOOR
+    assert batch["solution"].max_score == sum(earned.values())
+
+
+def test_a_racy_admission_loses_the_race_test_only(batch):
+    """Partial credit for a check and a count outside a lock: the race test fails, the admission's trace and
+    every other exercise keep their points."""
+    race = "test_admission_lets_exactly_max_waiting_through_racing_threads"
+    status = {t.id: t.status for t in batch["bug_admission_without_a_lock"].tests}
+    assert status[race] == "failed"
+    others = [name for name in FRONT_DOOR if name != race]
+    for test_id in (
+        *others,
+        "test_parse_builds_the_same_request_as_nanolab",
+        "test_events_match_nanolab_stream",
     ):
         assert status[test_id] == "passed", test_id
 
