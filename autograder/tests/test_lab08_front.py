@@ -11,14 +11,16 @@ kept by the standard library's ``unittest`` (`_Catcher`), so no code of the note
 The race. Calls through handles go one at a time (the sandbox has one pipe), so threads here could never
 make the learner's `admit` run twice at once. The threads are made in the sandbox instead, from the standard
 library alone, built here through handles (`_SandboxRace`): a `concurrent.futures.ThreadPoolExecutor` of 8
-workers, and for each of 2,000 fresh admissions 8 tasks that meet at a `threading.Barrier` of that admission
+workers, and for each of 3,000 fresh admissions 8 tasks that meet at a `threading.Barrier` of that admission
 and then call ``admit(1)`` until it refuses (an iterator of ones mapped through ``admit``), with the interpreter
 told to switch threads as often as it can. How far each task got is read back from its iterator. Under
-CPython's GIL a check and a count with no call between them cannot be split, so what can be caught is a check
-and a count that are not one step under a lock with a call between them (a log line, a helper method). Such
-code lets one place too many through at roughly 1 in 200 to 1 in 30 admissions here, so 2,000 of them miss it
-with odds far below one in a thousand; a correct admission is exact every time. Feedback says what is wrong
-and on which input, never the expected answer.
+CPython's GIL a check and a count with no call between them could not be split, so each max_waiting is an int
+whose comparisons are Python functions (functools' total-ordering helpers), as the visible check's is: comparing
+with the limit is a point where another thread may run, as it may anywhere in a busier or a free-threaded
+interpreter. A check and a count that are not one step under a lock then let one place too many through at
+roughly 1 in 100 to 1 in 20 admissions here, so 3,000 of them miss it with odds far below one in a thousand; a
+correct admission is exact every time. Feedback says what is wrong and on which input, never the expected
+answer.
 """
 
 from __future__ import annotations
@@ -709,14 +711,20 @@ class _SandboxRace:
             load("functools"),
             load("collections").deque,
         )
+        # An int whose <=, > and < are Python functions (functools' total-ordering helpers, down to int's >=):
+        # the check against the limit is then a point where the interpreter may switch threads, as a busier or
+        # a free-threaded interpreter would anywhere, so a check and a count that are not one step race.
+        f = self.functools
+        methods = {"__le__": f._le_from_lt, "__gt__": f._gt_from_lt, "__lt__": f._lt_from_ge}
+        self.limit = self.b.type("YieldingLimit", (lab.ref(self.b, "int"),), methods)
 
     def run(self, limits: list[int], threads: int, tries: int) -> list[tuple[int, int]]:
-        """A fresh Admission(limit, 1) per limit; for each in turn, ``threads`` workers that meet at a barrier of
+        """A fresh Admission(limit, 1) per limit (a `YieldingLimit`); for each in turn, ``threads`` workers that meet at a barrier of
         its own, then each call ``admit(1)`` until it refuses (at most ``tries`` times), all at once. Returns, per
         admission, how many calls it let through and its waiting count after."""
         b, it, op, lab = self.b, self.it, self.op, self.lab
         n, count = len(limits), len(limits) * threads
-        admissions = self.deque(b.map(lab.Admission, limits, it.repeat(1, n)))
+        admissions = self.deque(b.map(lab.Admission, b.map(self.limit, limits), it.repeat(1, n)))
         gates = b.map(lab.threading.Barrier, it.repeat(threads, n), it.repeat(None, n), it.repeat(20, n))
         # per task, in order: each admission's barrier and admit, ``threads`` times over
         waits = it.chain.from_iterable(
@@ -753,8 +761,8 @@ class _SandboxRace:
 
 @pytest.mark.points(1)
 def test_admission_lets_exactly_max_waiting_through_racing_threads(lab, rng):
-    """Admission lets exactly max_waiting one-prompt adds through when 8 threads of the sandbox ask at once, each until it is refused, for the places of each of 2,000 fresh admissions (a check and its count are one step under a lock)"""
-    limits = [rng.choice([1, 2, 3, 5]) for _ in range(2000)]
+    """Admission lets exactly max_waiting one-prompt adds through when 8 threads of the sandbox ask at once, each until it is refused, for the places of each of 3,000 fresh admissions (a check and its count are one step under a lock)"""
+    limits = [rng.choice([1, 2, 3, 5]) for _ in range(3000)]
     try:
         got = _SandboxRace(lab).run(limits, 8, 12)
     except RemoteError as e:
