@@ -30,22 +30,25 @@ BLANK_3 = ROOT / "labs" / "lab03_paged_kv.ipynb"
 @pytest.fixture(scope="module")
 def kit(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("kit") / "lab01.zip"
-    assert subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "nanolab.cli",
-            "gradescope",
-            "1",
-            "--out",
-            str(out),
-            "--visibility",
-            "after_due_date",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    ).returncode == 0, "nanolab gradescope failed"
+    assert (
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "nanolab.cli",
+                "gradescope",
+                "1",
+                "--out",
+                str(out),
+                "--visibility",
+                "after_due_date",
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).returncode
+        == 0
+    ), "nanolab gradescope failed"
     return out
 
 
