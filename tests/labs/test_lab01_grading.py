@@ -374,6 +374,11 @@ def test_json_and_csv_have_one_entry_per_submission(batch, tmp_path):
     assert [d["score"] for d in data] == [r.score for r in results]
     lines = (tmp_path / "r.csv").read_text().splitlines()
     header = lines[0].split(",")
-    assert header[0] == "submission" and "total" in header
-    assert len(header) == 2 + len(results[0].tests) + 3 and len(lines) == 4
+    assert header[:3] == ["submission", "student_id", "lab"] and header[-4:] == [
+        "total",
+        "max_score",
+        "similar_to",
+        "notes",
+    ]
+    assert len(header) == 3 + len(results[0].tests) + 4 and len(lines) == 4
     assert SubmissionResult.from_dict(results[0].to_dict()).score == results[0].score
