@@ -761,8 +761,8 @@ class _SandboxRace:
 
 @pytest.mark.points(1)
 def test_admission_lets_exactly_max_waiting_through_racing_threads(lab, rng):
-    """Admission lets exactly max_waiting one-prompt adds through when 8 threads of the sandbox ask at once, each until it is refused, for the places of each of 3,000 fresh admissions (a check and its count are one step under a lock)"""
-    limits = [rng.choice([1, 2, 3, 5]) for _ in range(3000)]
+    """Admission lets exactly max_waiting one-prompt adds through when 8 threads of the sandbox ask at once, each until it is refused, for the places of each of 1,000 fresh admissions (a check and its count are one step under a lock)"""
+    limits = [rng.choice([1, 2, 3, 5]) for _ in range(1000)]
     try:
         got = _SandboxRace(lab).run(limits, 8, 12)
     except RemoteError as e:
