@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from nanolab.engine.speculative import SpeculativeConfig
 from nanolab.memory.paging import cdiv
 from nanolab.model.config import ModelConfig
 from nanolab.model.kv_cache import kv_cache_bytes
@@ -69,12 +70,17 @@ class EngineConfig:
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS  # which waiting request is admitted next
     aging_steps: int = 16  # with the priority policy: steps of waiting that count as one level of priority
     attention_backend: AttentionBackend = AttentionBackend.AUTO  # paged decode attention implementation
+    speculative_config: SpeculativeConfig | None = (
+        None  # speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4} or {"method": "draft_model", "model": ..., "num_speculative_tokens": 4}; default off
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             kind = _field_type(f)
-            if issubclass(kind, enum.Enum):
+            if kind is SpeculativeConfig:
+                object.__setattr__(self, f.name, SpeculativeConfig.parse(value))
+            elif issubclass(kind, enum.Enum):
                 try:
                     object.__setattr__(self, f.name, kind(value))
                 except ValueError:
@@ -143,7 +149,9 @@ class EngineConfig:
             flag = "--" + f.name.replace("_", "-")
             kind = _field_type(f)
             help_ = helps.get(f.name, "")
-            if kind is bool:
+            if kind is SpeculativeConfig:
+                group.add_argument(flag, default=None, metavar="JSON", help=help_)
+            elif kind is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
             elif issubclass(kind, enum.Enum):
                 choices = [c.value for c in kind]

@@ -7,7 +7,9 @@ runner runs one forward for all of it and samples a token for every request whos
 computed (`nanolab.engine.model_runner`); the tokens are appended and the `OutputProcessor` checks the
 stop rules and builds the outputs (`nanolab.engine.output_processor`); the step is recorded for
 observers (`nanolab.engine.stats`). Requests join and leave the batch at every step: that is continuous
-batching. `nanolab.engine.engine.Engine` builds the parts from a model and a config, and turns prompts
+batching. With a `Speculator`, each decoding request also gets guesses of its next tokens at the end of
+a step, checked in the next (`nanolab.engine.speculative`).
+ `nanolab.engine.engine.Engine` builds the parts from a model and a config, and turns prompts
 into requests.
 """
 
@@ -23,6 +25,7 @@ from nanolab.engine.outputs import RequestOutput
 from nanolab.engine.parallel import SampleGroup, fork_samples
 from nanolab.engine.request import FinishReason, Request, RequestStatus, finish
 from nanolab.engine.scheduler import SchedulerOutput, SchedulerProtocol
+from nanolab.engine.speculative import Speculator
 from nanolab.engine.stats import EngineStats, StepCounters, StepListener, StepRecord
 from nanolab.memory.block_manager import BlockManager
 
@@ -53,6 +56,7 @@ class EngineCore:
         tokenizer: Any = None,
         max_model_len: int = 2048,
         listeners: Sequence[StepListener] = (),
+        speculator: Speculator | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.block_manager = block_manager
@@ -65,6 +69,10 @@ class EngineCore:
         # them about takes the model runner's fast path
         self._with_extras: set[str] = set()
         self.counters = StepCounters()
+        self.speculator = speculator
+        if speculator is not None:
+            runner.verify_greedy = speculator.verify_greedy
+            runner.rejection_sample = speculator.rejection_sample
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -158,8 +166,13 @@ class EngineCore:
         batch = layout_batch(sched.scheduled)
         self._in_flight = batch.requests
         tokens = self.runner.run(batch, sched.blocks_to_copy, bool(self._with_extras), self._fork)
-        outputs = self._process(batch, tokens, finished_only)
-        self._record(sched, batch, len(tokens), t0)
+        if batch.extra_tokens:
+            outputs, generated = self._process_speculative(batch, tokens, finished_only)
+        else:
+            outputs, generated = self._process(batch, tokens, finished_only), len(tokens)
+        if self.speculator is not None:
+            self._propose(batch.to_sample)
+        self._record(sched, batch, generated, len(tokens), t0)
         return outputs
 
     def _nothing_scheduled(self) -> list[RequestOutput]:
@@ -182,7 +195,55 @@ class EngineCore:
                 self.block_manager.cache_computed(r)  # share the prompt with requests admitted from now on
         return self.outputs.step_outputs(batch.to_sample, self.groups, finished_only)
 
-    def _record(self, sched: SchedulerOutput, batch: BatchLayout, num_generated: int, t0: float) -> None:
+    def _process_speculative(
+        self, batch: BatchLayout, tokens: list[int], finished_only: bool
+    ) -> tuple[list[RequestOutput], int]:
+        """`_process` for a step that checked guesses: each request's kept tokens appended one by one
+        (the stop rules see each; what follows a stop is dropped), then the KV of rejected guesses
+        rolled back. Returns the outputs and the number of tokens appended."""
+        now, generated = time.monotonic(), 0
+        counters = self.speculator.counters if self.speculator is not None else None
+        for r, first, more, d, prefilled in zip(
+            batch.to_sample, tokens, batch.extra_tokens, batch.num_drafts, batch.prefilled
+        ):
+            if r.first_token_time is None:
+                r.first_token_time = now
+            reason = None
+            for tok in (first, *more):
+                r.output_token_ids.append(tok)
+                generated += 1
+                reason = self.outputs.stop_reason(r, tok)
+                if reason is not None:
+                    break
+            if d:
+                if counters is not None:
+                    counters.add(d, len(more))
+                r.spec_token_ids, r.spec_draft_probs = [], None
+                self.block_manager.rollback(r)  # before a finish: the prefix cache must not see guesses
+            if reason is not None:
+                self._finish(r, reason)
+            elif prefilled:
+                self.block_manager.cache_computed(r)
+        return self.outputs.step_outputs(batch.to_sample, self.groups, finished_only), generated
+
+    def _propose(self, reqs: list[Request]) -> None:
+        """Ask the speculator for the next step's guesses of each decoding request that just got a token
+        (none for those that need extras, and never more than the request may still generate)."""
+        spec = self.speculator
+        live = [r for r in reqs if not r.is_finished and r.request_id not in self._with_extras]
+        if not live:
+            return
+        limit = self.outputs.max_model_len
+        room = [
+            min(spec.k, r.sampling_params.max_tokens - len(r.output_token_ids) - 1, limit - r.num_tokens - 1)
+            for r in live
+        ]
+        for r, guesses, k in zip(live, spec.proposer.propose(live, room), room):
+            r.spec_token_ids = [int(t) for t in guesses[: max(k, 0)]]
+
+    def _record(
+        self, sched: SchedulerOutput, batch: BatchLayout, num_generated: int, num_sampled: int, t0: float
+    ) -> None:
         record = StepRecord(
             len(batch.scheduled),
             sched.num_tokens,
@@ -191,6 +252,7 @@ class EngineCore:
             time.perf_counter() - t0,
         )
         self.counters.add(record, self.block_manager.usage())
+        self.counters.sampled_rows += num_sampled
         for listener in self.listeners:
             listener(record)
 
@@ -224,7 +286,8 @@ class EngineCore:
         running = sum(r.status == RequestStatus.RUNNING for r in self.requests.values())
         waiting = len(self.requests) - running
         preemptions = getattr(self.scheduler, "num_preemptions", 0)
-        return self.counters.snapshot(running, waiting, preemptions, self.block_manager)
+        spec = self.speculator.counters if self.speculator is not None else None
+        return self.counters.snapshot(running, waiting, preemptions, self.block_manager, spec)
 
 
 def generate_static(

@@ -20,6 +20,7 @@ from nanolab.engine.model_runner import ModelRunner
 from nanolab.engine.prompt import Prompt, PromptProcessor, as_prompt_list, check_sampling_params, one_each
 from nanolab.engine.request import Request
 from nanolab.engine.scheduler import Scheduler, SchedulerProtocol
+from nanolab.engine.speculative import NgramProposer, SpeculativeConfig, Speculator
 from nanolab.engine.stats import StepListener
 from nanolab.memory.block_allocator import BlockAllocator, BlockAllocatorProtocol
 from nanolab.memory.block_manager import BlockManager
@@ -67,6 +68,7 @@ class Engine(EngineCore):
             tokenizer,
             cfg.max_model_len,
             listeners,
+            _speculator(cfg.speculative_config, model),
         )
         self._ids = itertools.count()
         self.prompts = PromptProcessor(tokenizer, model.config.vocab_size, cfg)
@@ -127,6 +129,15 @@ class Engine(EngineCore):
         """Queue one request (see `add_requests`)."""
         ids = None if request_id is None else [request_id]
         return self.add_requests([prompt], sampling_params, priority, ids)[0]
+
+
+def _speculator(config: SpeculativeConfig | None, model: Transformer) -> Speculator | None:
+    """The engine's speculation for ``config`` (None: none)."""
+    if config is None:
+        return None
+    if config.method == "ngram":
+        return Speculator(config, NgramProposer(config))
+    raise ValueError(f"speculative decoding method {config.method!r} is not available in this engine")
 
 
 def _build(given: Any, default: type, *args: Any) -> Any:

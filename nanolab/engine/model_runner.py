@@ -10,7 +10,10 @@ same model call, it does not take turns between them.
 records prompt log-probabilities for the requests that want them, marks the tokens computed, forks the
 parallel-sampling requests whose prompt is done, and samples one token for every request whose tokens are
 all computed. Requests that need only that one token ("plain": ``n == 1``, no logprobs, no logit bias
-or penalties) take a fast path that skips every other check.
+or penalties) take a fast path that skips every other check. A request that speculates (its entry
+reaches into its guesses, see `layout_batch`) gets the tokens its verification keeps
+(`nanolab.engine.speculative`): the first is returned with the others, the rest go to the batch's
+``extra_tokens``.
 """
 
 from __future__ import annotations
@@ -21,9 +24,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanolab.engine import speculative
 from nanolab.engine.request import Request
 from nanolab.memory.paged_kv_cache import PagedKVCache, SeqSlice
-from nanolab.model.sampling import SamplingParams, adjust_logits, sample, token_logprobs
+from nanolab.model.sampling import (
+    SamplingParams,
+    adjust_logits,
+    argmax,
+    filter_logits,
+    sample,
+    token_logprobs,
+)
 from nanolab.model.transformer import Transformer
 
 
@@ -38,6 +49,10 @@ class BatchLayout:
     sample_rows: list[int]  # the row whose logits each request of `to_sample` samples from
     to_sample: list[Request]  # requests whose every token is computed once this step is done
     prefilled: list[bool] = field(default_factory=list)  # per `to_sample`: this step ended its prompt
+    # speculative decoding, per `to_sample`: the guesses checked after its sample row (rows
+    # sample_rows[i] + 1 ..), and the tokens kept beyond the first (set by `ModelRunner.run`)
+    num_drafts: list[int] = field(default_factory=list)
+    extra_tokens: list[list[int]] = field(default_factory=list)
 
     @property
     def requests(self) -> list[Request]:
@@ -56,6 +71,10 @@ def layout_batch(scheduled: Sequence[tuple[Request, int]]) -> BatchLayout:
     last row) only when this step computes its last token; a prompt chunk that leaves some of the prompt
     for later samples nothing. Requests are only read.
 
+    Speculative decoding: an entry may reach past the request's tokens into its ``spec_token_ids`` (a
+    decode of 1 + d tokens: the last token and d guesses). It samples from its last token's row, and
+    the d rows after it check the guesses (``num_drafts``).
+
     Example:
         >>> from nanolab import SamplingParams
         >>> a = Request("a", [5, 6, 7, 8], SamplingParams()); a.num_computed_tokens = 1
@@ -68,13 +87,23 @@ def layout_batch(scheduled: Sequence[tuple[Request, int]]) -> BatchLayout:
     lay = BatchLayout(list(batch), [], [], [], [], [])
     for r, n in batch:
         start = r.num_computed_tokens
+        end = min(start + n, r.num_tokens)
+        drafts = start + n - end  # guesses past the request's tokens (speculative decoding)
         lay.seqs.append(SeqSlice(r.block_table, start, n))
-        lay.token_ids += r.token_slice(start, start + n)
+        lay.token_ids += r.token_slice(start, end)
+        if drafts:
+            if drafts > len(r.spec_token_ids):
+                raise ValueError(
+                    f"request {r.request_id!r} is scheduled {n} tokens from {start} but has {r.num_tokens} "
+                    f"tokens and {len(r.spec_token_ids)} guesses"
+                )
+            lay.token_ids += r.spec_token_ids[:drafts]
         lay.positions += range(start, start + n)
-        if start + n == r.num_tokens:  # every token is computed: sample from the last row
-            lay.sample_rows.append(len(lay.token_ids) - 1)
+        if end == r.num_tokens:  # every token is computed: sample from the last token's row
+            lay.sample_rows.append(len(lay.token_ids) - 1 - drafts)
             lay.to_sample.append(r)
-            lay.prefilled.append(n > 1)  # this step computed (the end of) a prompt, not a decode
+            lay.prefilled.append(n - drafts > 1)  # this step computed (the end of) a prompt, not a decode
+            lay.num_drafts.append(drafts)
     return lay
 
 
@@ -91,6 +120,9 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.forward_seconds = 0.0  # the model's share of the last `run`
+        # how guesses are checked (speculative decoding; the engine's `Speculator` may swap them)
+        self.verify_greedy = speculative.verify_greedy
+        self.rejection_sample = speculative.rejection_sample
 
     @torch.inference_mode()
     def run(
@@ -112,7 +144,16 @@ class ModelRunner:
             self.kv_cache.copy_blocks(blocks_to_copy)
         positions = self.kv_cache.prepare(batch.seqs)
         hidden = self.model(torch.tensor(batch.token_ids, dtype=torch.long), positions, self.kv_cache)
-        logits = self.model.compute_logits(hidden[batch.sample_rows]) if batch.to_sample else None
+        rows, firsts = batch.sample_rows, None
+        if any(batch.num_drafts):  # speculation: each guess's row too, after its request's sample row
+            firsts, rows = [], []
+            for row, d in zip(batch.sample_rows, batch.num_drafts):
+                firsts.append(len(rows))
+                rows += range(row, row + d + 1)
+        logits = self.model.compute_logits(hidden[rows]) if batch.to_sample else None
+        all_logits = logits
+        if firsts is not None and logits is not None:
+            logits = logits[firsts]
         if extras and any(r.wants_prompt_logprobs for r in batch.requests):
             self._record_prompt_logprobs(batch.scheduled, hidden)
         self.forward_seconds = time.perf_counter() - t0
@@ -126,9 +167,44 @@ class ModelRunner:
                 children = fork(r) if r.samples_to_fork else []
                 batch.to_sample += children
                 batch.prefilled += [False] * len(children)  # the parent offers the prompt to the cache
+                batch.num_drafts += [0] * len(children)
                 rows += [i] * len(children)
             logits = torch.cat([logits, logits[rows]])  # each sample draws its first token from the prompt's
-        return self.sample(batch.to_sample, logits, extras)
+        if firsts is None:
+            return self.sample(batch.to_sample, logits, extras)
+        return self._verify(batch, logits, all_logits, firsts, extras)
+
+    def _verify(
+        self,
+        batch: BatchLayout,
+        logits: torch.Tensor,
+        all_logits: torch.Tensor,
+        firsts: list[int],
+        extras: bool,
+    ) -> list[int]:
+        """The first token of every request of ``batch.to_sample``: sampled from its row of ``logits``,
+        or, for a request that checks guesses, the first its verification keeps (the others kept go to
+        ``batch.extra_tokens``). ``all_logits[firsts[i]:]`` holds request i's row and its guesses' rows."""
+        reqs = batch.to_sample
+        tokens = [0] * len(reqs)
+        batch.extra_tokens = [[] for _ in reqs]
+        plain = [i for i, d in enumerate(batch.num_drafts) if not d]
+        if plain:
+            for i, tok in zip(plain, self.sample([reqs[i] for i in plain], logits[plain], extras)):
+                tokens[i] = tok
+        for i, d in enumerate(batch.num_drafts):
+            if not d:
+                continue
+            r, p = reqs[i], reqs[i].sampling_params
+            guesses, rows = r.spec_token_ids[:d], all_logits[firsts[i] : firsts[i] + d + 1]
+            if p.greedy:
+                kept = self.verify_greedy(guesses, argmax(rows.float()).tolist())
+            else:
+                q = r.spec_draft_probs[:d] if r.spec_draft_probs is not None else None
+                probs = filter_logits(rows, [p] * (d + 1)).softmax(dim=-1)
+                kept = self.rejection_sample(guesses, probs, q, r.generator)
+            tokens[i], batch.extra_tokens[i] = kept[0], list(kept[1:])
+        return tokens
 
     def sample(self, reqs: list[Request], logits: torch.Tensor, extras: bool = True) -> list[int]:
         """One token per request (row b of ``logits`` is request b's); with ``extras``, logit bias and

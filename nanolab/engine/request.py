@@ -132,6 +132,11 @@ class Request:
     group: SampleGroup | None = None  # the n samples this request is one of (None when n == 1)
     sample_index: int = 0  # which sample of its group (its CompletionOutput's index)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # with SamplingParams.logprobs
+    # speculative decoding: the proposer's guesses of the next tokens, checked in the next decode step
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: Any = (
+        None  # (len(spec_token_ids), V): the distributions they were drawn from; None: certain
+    )
     # with SamplingParams.prompt_logprobs: one per prompt token computed so far (None for the first)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 

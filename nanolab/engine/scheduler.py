@@ -20,6 +20,11 @@ which joins the running requests sharing the prompt's KV blocks. A sample about 
 shares gets its own copy first (copy-on-write): the step's ``blocks_to_copy`` tells the engine which
 blocks' keys and values to copy before the forward.
 
+Speculative decoding: a decoding request with guesses (``spec_token_ids``) is scheduled for its last
+token and as many guesses as the budget and the KV pool allow (``1 + d`` tokens; see
+`nanolab.engine.speculative`); the guesses it cannot have this step are dropped, never the decode, and
+no request is preempted to make room for a guess.
+
 Policies order the waiting queue: "fcfs" (arrival), "priority" (lower value first; every
 ``aging_steps`` steps waited lowers the effective value by one, so nothing starves) and "shortest"
 (fewest tokens to prefill first; can starve long prompts under constant load — that is the lesson).
@@ -239,6 +244,17 @@ class Scheduler:
             if victim is req:
                 return False
 
+    def _room_for_guesses(self, req: Request, budget: int) -> int:
+        """How many of a decoding request's guesses go into this step: at most ``budget``, and only if
+        their KV blocks can be had without preempting anyone (else none). The rest are dropped."""
+        d = min(len(req.spec_token_ids), budget)
+        if d and not self.block_manager.grow(req, 1 + d):
+            d = 0
+        del req.spec_token_ids[d:]
+        if req.spec_draft_probs is not None:
+            req.spec_draft_probs = req.spec_draft_probs[:d] if d else None
+        return d
+
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         self.block_manager.release(victim)
@@ -268,6 +284,8 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
             num_new = min(remaining, budget)
+            if remaining == 1 and req.spec_token_ids:
+                num_new += self._room_for_guesses(req, budget - 1)
             if not self._make_room(req, num_new, out):
                 continue
             out.scheduled.append(ScheduledRequest(req, num_new))

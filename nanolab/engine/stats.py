@@ -18,7 +18,9 @@ class StepRecord(NamedTuple):  # a NamedTuple: one is built every step
 
     num_seqs: int  # requests in the batch
     num_tokens: int  # prompt + decode tokens computed
-    num_generated: int  # tokens sampled (one per request whose prompt was fully computed)
+    num_generated: (
+        int  # tokens generated (one per request whose tokens were all computed; more with speculation)
+    )
     forward_seconds: float  # model forward and logits
     step_seconds: float  # the whole step
 
@@ -46,6 +48,27 @@ class EngineStats:
     kv_blocks_cached: int  # held by the prefix cache (evictable unless a running request shares them)
     prefix_hit_rate: float  # prompt tokens served by the prefix cache / prompt tokens
     prefix_cached_tokens: int
+    # speculative decoding (all 0 without it)
+    spec_verifications: int = 0  # request-steps that checked guesses
+    spec_draft_tokens: int = 0  # guesses checked
+    spec_accepted_tokens: int = 0  # guesses kept
+    decode_rows: int = 0  # request-steps that generated tokens (one target forward row each, guesses aside)
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Share of the guesses checked that were kept."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted(self) -> float:
+        """Guesses kept per verification (each verification also adds one token of the model's own)."""
+        return self.spec_accepted_tokens / self.spec_verifications if self.spec_verifications else 0.0
+
+    @property
+    def forwards_per_token(self) -> float:
+        """Target forwards a request goes through per token it generates: 1.0 without speculation,
+        1 / (1 + mean accepted) with it."""
+        return self.decode_rows / self.generated_tokens if self.generated_tokens else 0.0
 
     @property
     def kv_block_usage(self) -> float:
@@ -75,6 +98,7 @@ class StepCounters:
     busy_seconds: float = 0.0
     forward_seconds: float = 0.0
     peak_kv_usage: float = 0.0
+    sampled_rows: int = 0  # request-steps that generated tokens
 
     def add(self, record: StepRecord, kv_usage: float) -> None:
         self.steps += 1
@@ -86,9 +110,9 @@ class StepCounters:
         self.peak_kv_usage = max(self.peak_kv_usage, kv_usage)
 
     def snapshot(
-        self, num_running: int, num_waiting: int, preemptions: int, block_manager: Any
+        self, num_running: int, num_waiting: int, preemptions: int, block_manager: Any, spec: Any = None
     ) -> EngineStats:
-        """These totals with the engine's state now: an `EngineStats`."""
+        """These totals with the engine's state now: an `EngineStats`; ``spec``: the speculator's counters."""
         allocator, cache = block_manager.allocator, block_manager.prefix_cache
         prefix = cache.stats() if cache is not None else None
         return EngineStats(
@@ -108,4 +132,8 @@ class StepCounters:
             kv_blocks_cached=cache.total_size // block_manager.block_size if cache is not None else 0,
             prefix_hit_rate=prefix.hit_rate if prefix is not None else 0.0,
             prefix_cached_tokens=prefix.cached_tokens if prefix is not None else 0,
+            spec_verifications=spec.verifications if spec is not None else 0,
+            spec_draft_tokens=spec.draft_tokens if spec is not None else 0,
+            spec_accepted_tokens=spec.accepted_tokens if spec is not None else 0,
+            decode_rows=self.sampled_rows,
         )

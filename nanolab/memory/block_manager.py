@@ -168,6 +168,22 @@ class BlockManager:
         self.allocator.free([src for src, _ in pairs])  # the other holders keep theirs
         return pairs
 
+    def rollback(self, req: PagedSequence) -> None:
+        """Forget the keys and values past a request's tokens (speculative decoding's rejected guesses).
+
+        ``num_computed_tokens`` comes back to at most ``num_tokens - 1`` (the last token, not yet
+        computed, goes into the next step), and the blocks wholly past ``num_tokens`` go back to the
+        allocator. The slots of rejected guesses in the blocks kept are overwritten by later steps.
+
+        Example (block size 4, 6 tokens whose 3 guesses past them were computed and rejected):
+            9 computed tokens in [a, b, c] -> 5 computed in [a, b]; c is freed
+        """
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+        keep = self.num_blocks_for(req.num_tokens)
+        if len(req.block_table) > keep:
+            self.allocator.free(req.block_table[keep:])
+            del req.block_table[keep:]
+
     def cache_computed(self, req: PagedSequence) -> None:
         """Offer the request's computed full blocks to the prefix cache (the request keeps its own refs).
 

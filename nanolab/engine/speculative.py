@@ -1,0 +1,270 @@
+"""Speculative decoding: guess several tokens cheaply, check them all in one forward of the model.
+
+A decode step computes one token per request, and on a small batch its cost is mostly reading the
+weights, whatever the number of tokens in the forward. Speculative decoding spends that slack: a
+*proposer* guesses the next k tokens of a request (``spec_token_ids``), the engine computes the
+request's last token and the k guesses in one forward (k + 1 rows, like a short prompt chunk), and the
+*verifier* keeps the guesses the model agrees with, plus one token of the model's own. A step then
+yields between 1 and k + 1 tokens per request, and the output is exactly what decoding one token at a
+time gives:
+
+- greedy (`verify_greedy`): row i's argmax is the model's token after the first i guesses; the guesses
+  are kept while they equal it, and the argmax at the first mismatch (or after the last guess: the
+  "bonus" token) is added;
+- sampling (`rejection_sample`): guess i is kept with probability min(1, p(x) / q(x)), p the model's
+  distribution at row i and q the proposer's; at the first rejection a token is drawn from
+  max(0, p - q) normalised, and after k kept guesses from p at the last row. Every token then has
+  exactly the model's distribution (Leviathan et al., 2023; Chen et al., 2023). A proposer that guesses
+  one token for certain (n-gram lookup) has q = 1 at its guess: the guess is kept with probability
+  p(guess), and a rejection draws from p with the guess taken out.
+
+After the step, the keys and values of rejected guesses are in the cache: the request's
+``num_computed_tokens`` goes back to its accepted length and the KV blocks wholly past its end are freed
+(`nanolab.memory.block_manager.BlockManager.rollback`); their stale slots are overwritten later.
+
+Proposers: `NgramProposer` (prompt lookup: the request's last n tokens found earlier in its prompt or
+output; what follows that match is the guess; free, and good on text that repeats itself, like code)
+and `DraftModelProposer` (a smaller model with the same tokenizer runs k steps ahead). The config uses
+vLLM's names: ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+"prompt_lookup_min": 1}`` or ``{"method": "draft_model", "model": ..., "num_speculative_tokens": 4}``.
+
+Requests whose step needs more than one sampled token (n > 1, logprobs, logit bias or penalties: see
+`nanolab.engine.model_runner.needs_extras`) do not speculate; they decode a token per step in the same
+batch as the others.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+SPEC_METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How the engine speculates (vLLM's ``speculative_config`` keys). Checked on construction."""
+
+    method: str  # "ngram" (prompt lookup) or "draft_model"
+    num_speculative_tokens: int  # k: tokens guessed per request per step
+    prompt_lookup_max: int = 4  # ngram: the longest suffix looked up
+    prompt_lookup_min: int = 1  # ngram: the shortest suffix looked up
+    model: str | None = None  # draft_model: the draft model (a bundled name or a checkpoint directory)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            choices = ", ".join(map(repr, SPEC_METHODS))
+            raise ValueError(f"speculative_config method must be one of {choices}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {k!r}"
+            )
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"speculative_config {name} must be an integer >= 1, got {value!r}")
+        if lo > hi:
+            raise ValueError(
+                f"speculative_config prompt_lookup_min ({lo}) is more than prompt_lookup_max ({hi})"
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('speculative_config method "draft_model" needs "model": the draft model to load')
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError('speculative_config "model" is for method "draft_model"; ngram needs none')
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """A config from a dict, a JSON object string (the command line's form), a config, or None (off).
+
+        An unknown key is a ValueError that suggests the right one.
+        """
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON ({exc}): {value!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict (or its JSON), got {value!r}")
+        known = [f.name for f in fields(cls)]
+        for key in value:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; the keys are {', '.join(known)}"
+                raise ValueError(f"unknown speculative_config key {key!r}{hint}")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in value:
+                raise ValueError(f"speculative_config needs {key!r}")
+        return cls(**value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# -- proposing ----------------------------------------------------------------------------------------
+
+
+def propose_ngram(token_ids: Sequence[int], k: int, min_n: int = 1, max_n: int = 4) -> list[int]:
+    """Prompt lookup: up to ``k`` guesses of what follows ``token_ids``, or [] when nothing matches.
+
+    For n from ``max_n`` down to ``min_n``, the last n tokens are looked for earlier in the sequence;
+    at the first n that has a match, the guess is the (at most k) tokens that followed its first
+    occurrence. Longer matches are tried first: they are likelier to continue the same way.
+
+    Example:
+        >>> propose_ngram([1, 2, 3, 4, 9, 1, 2, 3], k=2)
+        [4, 9]
+        >>> propose_ngram([1, 2, 3], k=2)
+        []
+    """
+    L = len(token_ids)
+    if k < 1 or L < 2:
+        return []
+    arr = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        # every window of n tokens that starts early enough to have a token after it
+        windows = np.lib.stride_tricks.sliding_window_view(arr[: L - 1], n)
+        hits = np.flatnonzero((windows == arr[L - n :]).all(axis=1))
+        if hits.size:
+            start = int(hits[0]) + n
+            return arr[start : start + k].tolist()
+    return []
+
+
+class Proposer(Protocol):
+    """What guesses a request's next tokens (`NgramProposer`, `DraftModelProposer`, a learner's own)."""
+
+    def propose(self, requests: Sequence[Any], num_tokens: Sequence[int]) -> list[list[int]]:
+        """At most ``num_tokens[i]`` guesses for each request (fewer, or none, is fine)."""
+        ...
+
+
+class NgramProposer:
+    """Prompt-lookup proposer: `propose_ngram` on each request's prompt and output."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, requests: Sequence[Any], num_tokens: Sequence[int]) -> list[list[int]]:
+        return [
+            propose_ngram(r.all_token_ids, k, self.min_n, self.max_n) if k > 0 else []
+            for r, k in zip(requests, num_tokens)
+        ]
+
+
+# -- verifying ----------------------------------------------------------------------------------------
+
+
+def verify_greedy(draft: Sequence[int], target: Sequence[int]) -> list[int]:
+    """The tokens greedy decoding keeps: ``draft`` while it agrees with ``target``, then target's next.
+
+    ``target[i]`` is the model's greedy token after the first i guesses (len(draft) + 1 of them). The
+    result has between 1 and len(draft) + 1 tokens: the accepted guesses and one token of the model's.
+
+    Example:
+        >>> verify_greedy([5, 6, 7], [5, 6, 8, 9])
+        [5, 6, 8]
+        >>> verify_greedy([5, 6], [5, 6, 4])
+        [5, 6, 4]
+    """
+    if len(target) != len(draft) + 1:
+        raise ValueError(f"{len(draft)} guesses need {len(draft) + 1} target tokens, got {len(target)}")
+    out: list[int] = []
+    for guess, want in zip(draft, target):
+        if guess != want:
+            break
+        out.append(guess)
+    out.append(int(target[len(out)]))
+    return out
+
+
+def rejection_sample(
+    draft: Sequence[int],
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """The tokens speculative sampling keeps; each has exactly the target's distribution.
+
+    ``target_probs`` is (len(draft) + 1, V): row i is the model's distribution after the first i
+    guesses. ``draft_probs`` is (len(draft), V), the proposer's distribution each guess was drawn from;
+    None means each guess was certain (q = 1 at the guess). Guess i is kept with probability
+    min(1, p_i(x) / q_i(x)); at the first rejection a token is drawn from max(0, p_i - q_i), normalised,
+    and the rest is dropped; if every guess is kept, a last token is drawn from the final row. Random
+    numbers come from ``generator`` (torch's global one when None).
+    """
+    k = len(draft)
+    if target_probs.ndim != 2 or target_probs.shape[0] != k + 1:
+        raise ValueError(
+            f"{k} guesses need target_probs of shape ({k + 1}, V), got {tuple(target_probs.shape)}"
+        )
+    p = target_probs.float()
+    q = draft_probs.float() if draft_probs is not None else None
+    accept = torch.rand(k, generator=generator) if k else torch.empty(0)
+    out: list[int] = []
+    for i, x in enumerate(draft):
+        px = float(p[i, x])
+        qx = 1.0 if q is None else float(q[i, x])
+        if float(accept[i]) * qx < px:  # kept with probability min(1, px / qx)
+            out.append(int(x))
+            continue
+        if q is None:
+            residual = p[i].clone()
+            residual[x] = 0.0
+        else:
+            residual = (p[i] - q[i]).clamp_min(0.0)
+        if not float(residual.sum()) > 0:  # p == q up to rounding: nothing left but p itself
+            residual = p[i]
+        out.append(int(torch.multinomial(residual, 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(p[k], 1, generator=generator)))
+    return out
+
+
+@dataclass
+class SpecCounters:
+    """Speculation's running totals (part of `nanolab.engine.stats.EngineStats`)."""
+
+    verifications: int = 0  # request-steps that checked at least one guess
+    draft_tokens: int = 0  # guesses checked
+    accepted_tokens: int = 0  # guesses kept
+
+    def add(self, num_drafts: int, num_accepted: int) -> None:
+        self.verifications += 1
+        self.draft_tokens += num_drafts
+        self.accepted_tokens += num_accepted
+
+
+class Speculator:
+    """The engine's speculation: a proposer, and the two verification rules (each can be swapped)."""
+
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        proposer: Proposer,
+        verify_greedy: Any = verify_greedy,
+        rejection_sample: Any = rejection_sample,
+    ) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.verify_greedy = verify_greedy
+        self.rejection_sample = rejection_sample
+        self.counters = SpecCounters()
+
+    @property
+    def k(self) -> int:
+        return self.config.num_speculative_tokens
