@@ -4,6 +4,12 @@ Run from the repository root::
 
     python scripts/train_tiny_model.py                      # the full run: about 40 minutes on 2 CPU cores
     python scripts/train_tiny_model.py --quick --out DIR    # a smoke run of the whole pipeline, under a minute
+    python scripts/train_tiny_model.py --draft-for nanolab/assets/tinypy   # tinypy's draft model (below)
+
+A *draft model* (``--draft-for TARGET``) is trained the same way with smaller sizes and the target's own
+tokenizer (a draft must speak the target's token ids): by default into ``nanolab/assets/tinypy-draft/``.
+Its card adds how often it agrees with the target on the held-out windows (speculative decoding's
+acceptance, see `nanolab.engine.speculative`).
 
 What it does, in order:
 
@@ -66,6 +72,7 @@ from nanolab.text.tokenizer import ENDOFTEXT, TOKENIZER_FILENAME, Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "nanolab" / "assets" / "tinypy"
+DRAFT_OUT = ROOT / "nanolab" / "assets" / "tinypy-draft"
 QUICK_OUT = ROOT / "runs" / "tinypy-quick"  # --quick never overwrites the bundled model by default
 EXCLUDED_DIRS = frozenset(
     {"site-packages", "test", "tests", "idle_test", "__pycache__", "encodings", "pydoc_data"}
@@ -125,6 +132,8 @@ QUICK = replace(
     sample_tokens=12,
     compile=False,
 )
+# tinypy's draft model: the same data and schedule, a fraction of the layers' width and depth
+DRAFT = replace(FULL, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=176)
 
 
 # ---- corpus ---------------------------------------------------------------------------------------
@@ -411,12 +420,53 @@ def write_card(path: Path, r: dict) -> None:
         f"seed {s.seed}):\n\n{fence(prompt + drawn)}"
         for prompt, greedy, drawn in r["samples"]
     )
-    card = f"""# tinypy
+    d = r.get("draft")
+    if d is None:
+        title, role = (
+            "tinypy",
+            (
+                "It is nanolab's\nbundled model: `nanolab.model.loading.load_model()` with no argument loads it. "
+                "It is small enough to serve on a\nlaptop and to read every tensor of, and it writes "
+                "Python-looking code; it does not write correct programs."
+            ),
+        )
+        tokenizer = (
+            f"Byte-level BPE (`nanolab.text.tokenizer.Tokenizer`, GPT-4 split pattern), trained on "
+            f"{r['tok_sample_bytes']:,}\nbytes of whole training files in {r['tok_seconds']:.1f} s."
+        )
+    else:
+        title = r["out_name"]
+        role = (
+            f"It is the\ndraft model of `{d['target']}` ({d['target_params'] / 1e6:.2f}M parameters; this one "
+            f"has {r['params'] / d['target_params']:.0%} of them) for\nspeculative decoding: "
+            f'`LLM(speculative_config={{"method": "draft_model", "model": "{r["out_name"]}", '
+            f'"num_speculative_tokens": 4}})`.'
+        )
+        tokenizer = (
+            f"`{d['target']}`'s own, loaded rather than trained: a draft must use its target's token ids."
+        )
+    draft_section = (
+        ""
+        if d is None
+        else f"""
+## As a draft model for {d["target"]}
 
-A {r["params"] / 1e6:.1f}M-parameter Llama-style language model of Python source code, trained on the
-CPU from the standard library of Python {r["python"]} by `scripts/train_tiny_model.py`. It is nanolab's
-bundled model: `nanolab.model.loading.load_model()` with no argument loads it. It is small enough to serve on a
-laptop and to read every tensor of, and it writes Python-looking code; it does not write correct programs.
+How often this model's next-token prediction agrees with `{d["target"]}`'s, at every position of the
+held-out windows above ({d["positions"]:,} positions):
+
+| | |
+|---|---|
+| greedy agreement | {d["greedy"]:.3f}: both models' most likely tokens are the same (greedy speculative decoding keeps a guess exactly then) |
+| sampled acceptance | {d["sampled"]:.3f}: the mean of sum_x min(p(x), q(x)) at temperature 1, the chance that speculative sampling keeps a guess drawn from this model |
+
+With a chance a of keeping each guess, k guesses give (1 - a^(k+1)) / (1 - a) tokens per target forward
+on average (the guesses are not independent in real text, so the engine's own count differs: `LLM.stats()`).
+"""
+    )
+    card = f"""# {title}
+
+A {r["params"] / 1e6:.2f}M-parameter Llama-style language model of Python source code, trained on the
+CPU from the standard library of Python {r["python"]} by `scripts/train_tiny_model.py`. {role}
 
 Everything below was measured by the run that wrote this directory; regenerate it rather than edit it.
 
@@ -436,8 +486,7 @@ Held-out files: {", ".join(f"`{p}`" for p in r["held_paths"])}.
 
 ## Tokenizer
 
-Byte-level BPE (`nanolab.text.tokenizer.Tokenizer`, GPT-4 split pattern), trained on {r["tok_sample_bytes"]:,}
-bytes of whole training files in {r["tok_seconds"]:.1f} s.
+{tokenizer}
 
 | | |
 |---|---|
@@ -489,7 +538,7 @@ held-out stream ({r["eval_windows"] * s.seq_len:,} predicted tokens):
 | check sample loss | {r["check_loss"]:.4f} nats/token on the first {CHECK_WINDOWS} windows of the held-out stream (token ids sha256 `{r["check_digest"]}`) |
 
 `tests/model/test_bundled_model.py` recomputes the check-sample loss.
-
+{draft_section}
 ## Sample generations
 
 {samples}
@@ -512,9 +561,15 @@ same torch version and thread count; elsewhere the losses agree closely but not 
 # ---- main -----------------------------------------------------------------------------------------
 
 
-def parse_args(argv: list[str]) -> tuple[Settings, Path]:
+def parse_args(argv: list[str]) -> tuple[Settings, Path, Path | None]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes and budget: a smoke test (< 1 min)")
+    parser.add_argument(
+        "--draft-for",
+        type=Path,
+        metavar="TARGET",
+        help="train a draft model for the model in TARGET: its tokenizer, smaller sizes, agreement measured",
+    )
     parser.add_argument(
         "--out", type=Path, help=f"output directory (default {DEFAULT_OUT.relative_to(ROOT)})"
     )
@@ -525,15 +580,38 @@ def parse_args(argv: list[str]) -> tuple[Settings, Path]:
         else:
             parser.add_argument(flag, type=float if f.type == "float" else int, default=None)
     args = parser.parse_args(argv)
-    base = QUICK if args.quick else FULL
+    base = QUICK if args.quick else DRAFT if args.draft_for else FULL
     overrides = {f.name: getattr(args, f.name) for f in fields(Settings) if getattr(args, f.name) is not None}
-    out = args.out or (QUICK_OUT if args.quick else DEFAULT_OUT)
-    return replace(base, **overrides), out
+    out = args.out or (QUICK_OUT if args.quick else DRAFT_OUT if args.draft_for else DEFAULT_OUT)
+    if args.draft_for is not None and not (args.draft_for / TOKENIZER_FILENAME).exists():
+        parser.error(
+            f"--draft-for {args.draft_for}: no {TOKENIZER_FILENAME} there (a nanolab model directory?)"
+        )
+    return replace(base, **overrides), out, args.draft_for
+
+
+@torch.inference_mode()
+def draft_agreement(draft: Transformer, target: Transformer, data: torch.Tensor, batch_size: int = 8) -> dict:
+    """How well ``draft`` predicts ``target`` on ``data``'s windows, position by position.
+
+    ``greedy``: the share of positions where both models' most likely tokens agree (greedy speculative
+    decoding keeps a guess exactly then). ``sampled``: the mean of sum_x min(p(x), q(x)) at temperature
+    1, the probability that speculative sampling keeps a guess drawn from the draft (Leviathan et al.).
+    """
+    agree, overlap, n = 0.0, 0.0, 0
+    for i in range(0, len(data), batch_size):
+        batch = data[i : i + batch_size, :-1]  # a window holds its inputs and one more token
+        p = target.logits(batch).float().softmax(-1)
+        q = draft.logits(batch).float().softmax(-1)
+        agree += float((p.argmax(-1) == q.argmax(-1)).sum())
+        overlap += float(torch.minimum(p, q).sum())
+        n += batch.numel()
+    return {"greedy": agree / n, "sampled": overlap / n, "positions": n}
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    s, out = parse_args(argv)
+    s, out, draft_for = parse_args(argv)
     started = time.perf_counter()
     torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed)
@@ -548,7 +626,10 @@ def main(argv: list[str] | None = None) -> None:
 
     t = time.perf_counter()
     sample = tokenizer_sample(train_docs, s.tokenizer_bytes, s.seed)
-    tokenizer = Tokenizer.train(sample, s.vocab_size, special_tokens=[ENDOFTEXT], verbose=True)
+    if draft_for is None:
+        tokenizer = Tokenizer.train(sample, s.vocab_size, special_tokens=[ENDOFTEXT], verbose=True)
+    else:
+        tokenizer = Tokenizer.load(draft_for / TOKENIZER_FILENAME)  # a draft speaks its target's ids
     tok_seconds = time.perf_counter() - t
     train_stream = encode_documents(tokenizer, train_docs, progress=True)
     held_stream = encode_documents(tokenizer, held_docs, progress=True)
@@ -585,6 +666,17 @@ def main(argv: list[str] | None = None) -> None:
     if abs(mean_loss(loaded, check_data) - check_loss) > 1e-4:
         raise RuntimeError("the saved model does not reproduce the trained model's loss")
     samples = sample_generations(loaded, tokenizer, s)
+    draft = None
+    if draft_for is not None:
+        target = load_model(draft_for)
+        draft = dict(
+            target=draft_for.name,
+            target_params=target.num_parameters(),
+            **draft_agreement(loaded, target, eval_data),
+        )
+        print(
+            f"agreement with {draft_for.name}: greedy {draft['greedy']:.3f}, sampled {draft['sampled']:.3f}"
+        )
     for prompt, greedy, _ in samples:
         print(f"--- {prompt!r} (greedy) ---\n{prompt}{greedy}")
 
@@ -619,8 +711,9 @@ def main(argv: list[str] | None = None) -> None:
         check_digest=ids_digest(check_data),
         samples=samples,
         load_seconds=load_seconds,
-        out_name=out.name if out.resolve() == DEFAULT_OUT else str(out),
+        out_name=out.name if out.resolve() in (DEFAULT_OUT, DRAFT_OUT) else str(out),
         command=" ".join(["python", "scripts/train_tiny_model.py", *map(shlex.quote, argv)]),
+        draft=draft,
         wall_seconds=time.perf_counter() - started,
     )
     write_card(out / CARD_NAME, report)

@@ -238,6 +238,8 @@ class EngineCore:
             min(spec.k, r.sampling_params.max_tokens - len(r.output_token_ids) - 1, limit - r.num_tokens - 1)
             for r in live
         ]
+        for r in live:
+            r.spec_draft_probs = None  # a proposer that has them sets them anew
         for r, guesses, k in zip(live, spec.proposer.propose(live, room), room):
             r.spec_token_ids = [int(t) for t in guesses[: max(k, 0)]]
 
@@ -278,6 +280,8 @@ class EngineCore:
         self.counters.finished_requests += 1
         del self.requests[r.request_id]  # the engine forgets finished requests (its caller has the output)
         self._with_extras.discard(r.request_id)
+        if self.speculator is not None:
+            self.speculator.release(r)
 
     # -- introspection ------------------------------------------------------------------------------
 

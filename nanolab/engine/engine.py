@@ -20,7 +20,7 @@ from nanolab.engine.model_runner import ModelRunner
 from nanolab.engine.prompt import Prompt, PromptProcessor, as_prompt_list, check_sampling_params, one_each
 from nanolab.engine.request import Request
 from nanolab.engine.scheduler import Scheduler, SchedulerProtocol
-from nanolab.engine.speculative import NgramProposer, SpeculativeConfig, Speculator
+from nanolab.engine.speculative import DraftModelProposer, NgramProposer, Speculator
 from nanolab.engine.stats import StepListener
 from nanolab.memory.block_allocator import BlockAllocator, BlockAllocatorProtocol
 from nanolab.memory.block_manager import BlockManager
@@ -68,7 +68,7 @@ class Engine(EngineCore):
             tokenizer,
             cfg.max_model_len,
             listeners,
-            _speculator(cfg.speculative_config, model),
+            _speculator(cfg, model),
         )
         self._ids = itertools.count()
         self.prompts = PromptProcessor(tokenizer, model.config.vocab_size, cfg)
@@ -131,13 +131,23 @@ class Engine(EngineCore):
         return self.add_requests([prompt], sampling_params, priority, ids)[0]
 
 
-def _speculator(config: SpeculativeConfig | None, model: Transformer) -> Speculator | None:
-    """The engine's speculation for ``config`` (None: none)."""
-    if config is None:
+def _speculator(cfg: EngineConfig, model: Transformer) -> Speculator | None:
+    """The engine's speculation, as ``cfg.speculative_config`` says (None: none)."""
+    spec = cfg.speculative_config
+    if spec is None:
         return None
-    if config.method == "ngram":
-        return Speculator(config, NgramProposer(config))
-    raise ValueError(f"speculative decoding method {config.method!r} is not available in this engine")
+    if spec.method == "ngram":
+        return Speculator(spec, NgramProposer(spec))
+    from nanolab.model.loading import load_model
+
+    draft = spec.model if isinstance(spec.model, Transformer) else load_model(spec.model)
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise ValueError(
+            f"the draft model {spec.model!r} has a vocabulary of {draft.config.vocab_size} tokens but the "
+            f"model has {model.config.vocab_size}: a draft model must share its target's tokenizer"
+        )
+    proposer = DraftModelProposer(spec, draft, cfg.num_blocks, cfg.block_size, cfg.attention_backend.value)
+    return Speculator(spec, proposer)
 
 
 def _build(given: Any, default: type, *args: Any) -> Any:

@@ -56,7 +56,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # k: tokens guessed per request per step
     prompt_lookup_max: int = 4  # ngram: the longest suffix looked up
     prompt_lookup_min: int = 1  # ngram: the shortest suffix looked up
-    model: str | None = None  # draft_model: the draft model (a bundled name or a checkpoint directory)
+    model: Any = None  # draft_model: a bundled model's name, a checkpoint directory, or a Transformer
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -76,7 +76,7 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config prompt_lookup_min ({lo}) is more than prompt_lookup_max ({hi})"
             )
-        if self.method == "draft_model" and not self.model:
+        if self.method == "draft_model" and (self.model is None or self.model == ""):
             raise ValueError('speculative_config method "draft_model" needs "model": the draft model to load')
         if self.method == "ngram" and self.model is not None:
             raise ValueError('speculative_config "model" is for method "draft_model"; ngram needs none')
@@ -268,3 +268,151 @@ class Speculator:
     @property
     def k(self) -> int:
         return self.config.num_speculative_tokens
+
+    def release(self, request: Any) -> None:
+        """``request`` finished: the proposer forgets it (a draft model frees its cache)."""
+        release = getattr(self.proposer, "release", None)
+        if release is not None:
+            release(request)
+
+
+@dataclass(eq=False)
+class _DraftSeq:
+    """The draft model's cache of one request: the tokens whose keys and values it holds, and where."""
+
+    request: Any
+    fed: list[int]  # tokens in the draft's cache, in order (position i holds fed[i])
+    block_table: list[int]
+
+
+class DraftModelProposer:
+    """A smaller model with the target's tokenizer guesses each request's next tokens.
+
+    The draft keeps its own paged KV cache (``num_blocks`` blocks of ``block_size`` tokens). Each step it
+    first catches up, in one forward for all requests, on the tokens it has not seen (a new request's
+    prompt, or the tokens the target kept and added last step); its cache past the first difference
+    from the request's tokens (a rejected guess) is dropped first. Then one forward per further guess,
+    all requests together. A greedy request's guess is the draft's argmax (q is certain); a sampled
+    request draws from the draft's distribution under its own sampling parameters, and that
+    distribution goes to ``spec_draft_probs`` for the rejection sampler. A request that cannot get the
+    draft's blocks guesses nothing this step; a finished request's blocks are freed at the next call.
+    """
+
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        draft: Any,
+        num_blocks: int,
+        block_size: int,
+        attention_backend: str = "auto",
+    ) -> None:
+        from nanolab.memory.block_allocator import BlockAllocator
+        from nanolab.memory.paged_kv_cache import PagedKVCache
+
+        self.config = config
+        self.model = draft.eval()
+        self.allocator = BlockAllocator(num_blocks)
+        self.block_size = block_size
+        self.kv_cache = PagedKVCache(
+            draft.config, num_blocks, block_size, attention_backend=attention_backend
+        )
+        self.seqs: dict[str, _DraftSeq] = {}
+
+    def release(self, request: Any) -> None:
+        """Free the draft's blocks of a request that finished."""
+        seq = self.seqs.pop(request.request_id, None)
+        if seq is not None:
+            self.allocator.free(seq.block_table)
+
+    def _forget_finished(self) -> None:  # those the engine did not report (a learner's engine loop)
+        for seq in [s for s in self.seqs.values() if s.request.is_finished]:
+            self.release(seq.request)
+
+    def _reserve(self, seq: _DraftSeq, num_tokens: int) -> bool:
+        """Blocks for ``num_tokens`` positions in ``seq``'s table (False, changing nothing, if there are none)."""
+        needed = -(-num_tokens // self.block_size) - len(seq.block_table)
+        if needed <= 0:
+            return True
+        if self.allocator.num_free < needed:
+            return False
+        seq.block_table += self.allocator.allocate(needed)
+        return True
+
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[Any], num_tokens: Sequence[int]) -> list[list[int]]:
+        from nanolab.memory.paged_kv_cache import SeqSlice
+
+        self._forget_finished()
+        max_len = self.model.config.max_seq_len
+        out: list[list[int]] = [[] for _ in requests]
+        active = []  # (index, request, seq, tokens, k)
+        for i, (r, k) in enumerate(zip(requests, num_tokens)):
+            tokens = r.all_token_ids
+            k = min(k, max_len - len(tokens) + 1)
+            if k <= 0:
+                continue
+            seq = self.seqs.get(r.request_id)
+            if seq is None:
+                seq = self.seqs[r.request_id] = _DraftSeq(r, [], [])
+            same = 0
+            for a, b in zip(seq.fed, tokens[:-1]):  # the last token is always fed now
+                if a != b:
+                    break
+                same += 1
+            del seq.fed[same:]
+            keep = -(-(len(tokens) + k - 1) // self.block_size)  # blocks this step writes into
+            if len(seq.block_table) > keep:  # what lies wholly past them goes back
+                self.allocator.free(seq.block_table[keep:])
+                del seq.block_table[keep:]
+            if self._reserve(seq, len(tokens) + k - 1):
+                active.append((i, r, seq, tokens, k))
+        if not active:
+            return out
+        # round 0: catch up on the unseen tokens (one-token entries first, as the paged cache wants)
+        entries = sorted(active, key=lambda a: len(a[3]) - len(a[2].fed) != 1)
+        ids: list[int] = []
+        slices, rows = [], []
+        for _, _, seq, tokens, _ in entries:
+            start = len(seq.fed)
+            slices.append(SeqSlice(seq.block_table, start, len(tokens) - start))
+            ids += tokens[start:]
+            rows.append(len(ids) - 1)
+            seq.fed = list(tokens)
+        last = self._guess(entries, self._forward(ids, slices, rows), out)
+        # rounds 1 .. k-1: feed each request's last guess
+        for rnd in range(1, max(a[4] for a in entries)):
+            entries = [a for a in entries if a[4] > rnd]
+            tokens_in = [last[a[0]] for a in entries]
+            slices = [SeqSlice(a[2].block_table, len(a[2].fed), 1) for a in entries]
+            for a, t in zip(entries, tokens_in):
+                a[2].fed.append(t)
+            last = self._guess(entries, self._forward(tokens_in, slices, list(range(len(entries)))), out)
+        return out
+
+    def _forward(self, ids: list[int], slices: list[Any], rows: list[int]) -> torch.Tensor:
+        positions = self.kv_cache.prepare(slices)
+        hidden = self.model(torch.tensor(ids, dtype=torch.long), positions, self.kv_cache)
+        return self.model.compute_logits(hidden[rows]).float()
+
+    def _guess(self, entries: list[tuple], logits: torch.Tensor, out: list[list[int]]) -> dict[int, int]:
+        """Each entry's next guess from its row of ``logits``, appended to ``out``; the sampled ones'
+        distributions appended to their request's ``spec_draft_probs``."""
+        from nanolab.model.sampling import argmax, filter_logits
+
+        params = [a[1].sampling_params for a in entries]
+        guesses = argmax(logits).tolist()
+        sampled = [b for b, p in enumerate(params) if not p.greedy]
+        if sampled:
+            probs = filter_logits(logits[sampled], [params[b] for b in sampled]).softmax(dim=-1)
+            for row, b in zip(probs, sampled):
+                r = entries[b][1]
+                guesses[b] = int(torch.multinomial(row, 1, generator=r.generator))
+                before = [] if not out[entries[b][0]] else [r.spec_draft_probs]
+                r.spec_draft_probs = torch.cat([*before, row[None]])
+        last = {}
+        for (i, r, *_), g in zip(entries, guesses):
+            if r.sampling_params.greedy:
+                r.spec_draft_probs = None
+            out[i].append(int(g))
+            last[i] = int(g)
+        return last

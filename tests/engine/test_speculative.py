@@ -311,15 +311,59 @@ def test_requests_that_need_extras_keep_their_output_next_to_speculating_ones(
     assert llm.stats().spec_accepted_tokens > 0
 
 
+# -- the engine: a draft model ------------------------------------------------------------------------
+
+
+def noisy_copy(model, noise: float, seed: int = 0):
+    """``model`` with every weight moved by ``noise`` times its own scale: a draft that mostly agrees."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(noise * p.std() * torch.randn(p.shape, generator=g))
+    return draft.eval()
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.4], ids=["exact-draft", "noisy-draft"])
+@pytest.mark.parametrize("setting", ["plain", "preempting", "chunked-7"])
+def test_draft_model_speculation_gives_the_greedy_output(model, workload, setting, noise, record_property):
+    """The draft's own cache follows the target's: caught up on kept tokens, cut at rejected ones."""
+    prompts, lengths, _ = workload
+    draft = noisy_copy(model, noise)
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 4}
+    llm = LLM(model, speculative_config=spec, **SETTINGS[setting])
+    got = _generate(llm, prompts, lengths)
+    ties = _check(workload, got, record_property)
+    s = llm.stats()
+    print(f"guesses kept {s.spec_accepted_tokens} of {s.spec_draft_tokens}")
+    if noise == 0.0 and ties == 0:  # the draft is the model: every guess is kept (up to float noise)
+        assert s.spec_accepted_tokens >= 0.95 * s.spec_draft_tokens > 0
+    else:
+        assert 0 < s.spec_accepted_tokens < s.spec_draft_tokens
+    _all_blocks_free(llm)
+    proposer = llm.engine.speculator.proposer
+    assert not proposer.seqs and proposer.allocator.num_free == proposer.allocator.num_total
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(model):
+    draft = tiny_model("llama", seed=2, vocab_size=VOCAB + 1)
+    with pytest.raises(ValueError, match="must share its target's tokenizer"):
+        LLM(model, speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 2})
+
+
 # -- the engine: sampling -------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 @torch.inference_mode()
-def test_sampled_tokens_have_the_models_distribution_with_speculation():
-    """4,000 seeded requests at temperature 0.9 on a 12-token model, with n-gram guesses from a repeating
-    prompt: the second output token (the first one verified) is distributed as the model says
-    (its exact marginal, summed over the first token), chi-square p-value above 0.001."""
-    V = 12
+def test_sampled_tokens_have_the_models_distribution_with_speculation(method):
+    """3,000 seeded requests at temperature 0.9 on a 12-token model: the second output token (the first
+    one verified) is distributed as the model says (its exact marginal, summed over the first token),
+    chi-square p-value above 0.001. n-gram guesses are certain (q = 1); a draft model's are drawn from
+    its own distribution, which the rejection sampler corrects."""
+    V, N = 12, 3000
     model = tiny_model("llama", seed=4, vocab_size=V)
     prompt = [3, 7, 1, 3, 7, 1, 3, 7, 1, 3, 7, 1]
     temperature = 0.9
@@ -328,12 +372,14 @@ def test_sampled_tokens_have_the_models_distribution_with_speculation():
     nxt = model.logits(torch.tensor([prompt + [t] for t in range(V)]))[:, -1] / temperature
     p1 = (p0[:, None] * nxt.softmax(-1)).sum(0)
 
-    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec["model"] = noisy_copy(model, 0.5, seed=1)
     llm = LLM(model, max_num_seqs=512, block_size=4, speculative_config=spec)
     params = [
-        SamplingParams(max_tokens=3, temperature=temperature, seed=i, ignore_eos=True) for i in range(4000)
+        SamplingParams(max_tokens=3, temperature=temperature, seed=i, ignore_eos=True) for i in range(N)
     ]
-    outs = llm.generate([prompt] * 4000, params, use_tqdm=False)
+    outs = llm.generate([prompt] * N, params, use_tqdm=False)
     counts = torch.zeros(V)
     for o in outs:
         counts[o.outputs[0].token_ids[1]] += 1
