@@ -12,7 +12,11 @@ Prints tokens/s for each and the ratios, the engine's time split per step (model
 else: scheduling, batch layout, sampling, detokenization), a shared-system-prompt workload run
 with the prefix cache on and off, and parallel sampling: n samples of one long prompt in one request
 (the prompt computed once, its blocks shared) against n separate seeded requests, which give the same
-tokens.
+tokens. Last, speculative decoding against plain decoding, for the n-gram proposer and the bundled draft
+model, on code that repeats itself and on code that does not, one request at a time and as one batch:
+throughput, the ratio to plain decoding (median and range of the repeats, measured in the same run),
+the share of guesses kept, target forwards per output token, and whether the greedy outputs are
+identical.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 from nanolab import LLM, SamplingParams, load_model, load_tokenizer
 from nanolab.engine.stats import StepRecord
 from nanolab.model.hf import to_hf
+from nanolab.model.loading import ASSETS_DIR
 
 
 def make_workload(tokenizer, n: int, seed: int, max_len: int) -> tuple[list[list[int]], list[int]]:
@@ -168,6 +173,67 @@ def main() -> None:
         )
     print(f"  cache on / off throughput: {results[False] / results[True]:.2f}x")
     parallel_sampling(model, tokenizer, prompts, n=4 if args.quick else 8)
+    speculative(model, tokenizer, prompts, quick=args.quick)
+
+
+DRAFT = "tinypy-draft"  # the bundled draft model of tinypy
+FIELDS = ("name", "size", "color", "owner", "price", "weight", "label", "shape")
+
+
+def speculative(model, tokenizer, prompts, quick: bool) -> None:
+    """Speculative vs plain decoding on two workloads, one request at a time and as one batch."""
+    n, out_len, repeats = (2, 24, 1) if quick else (8, 96, 3)
+    rng = random.Random(1)
+    repeating = []
+    for i in range(n):  # classes of getters: the continuation repeats what the prompt shows
+        names = rng.sample(FIELDS, 4)
+        body = "".join(f"    def get_{f}(self):\n        return self._{f}\n\n" for f in names)
+        repeating.append(tokenizer.encode(f"class Thing{i}:\n{body}"))
+    workloads = {"repeats itself": repeating, "does not repeat": [p[:64] for p in prompts[:n]]}
+    methods: dict[str, dict | None] = {
+        "plain": None,
+        "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4},
+    }
+    if (ASSETS_DIR / DRAFT).is_dir():
+        methods["draft k=4"] = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4}
+    else:
+        print(f"\n(no bundled {DRAFT}: the draft model rows are left out)")
+    params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+    print(
+        f"\nspeculative decoding: {n} prompts per workload, {out_len} greedy tokens each, {repeats} repeat(s)"
+    )
+    print(
+        f"{'workload':<17}{'mode':<15}{'method':<11}{'tokens/s':>10}{'x plain':>9}{'  (range)':<16}{'kept':>7}{'fwd/tok':>9}  same"
+    )
+    for wname, wprompts in workloads.items():
+        for mode in ("one at a time", "batch"):
+            times: dict[str, list[float]] = {m: [] for m in methods}
+            results = {}
+            for c in methods.values():  # warm-up, on engines of its own (their stats are not reported)
+                LLM(model, tokenizer, speculative_config=c).generate(
+                    wprompts[0], replace(params, max_tokens=8), use_tqdm=False
+                )
+            llms = {m: LLM(model, tokenizer, speculative_config=c) for m, c in methods.items()}
+            for _ in range(repeats):  # the methods take turns, so the machine's drift hits them alike
+                for m, llm in llms.items():
+                    t0 = time.perf_counter()
+                    if mode == "batch":
+                        outs = llm.generate(wprompts, params, use_tqdm=False)
+                    else:
+                        outs = [llm.generate(p, params, use_tqdm=False)[0] for p in wprompts]
+                    times[m].append(time.perf_counter() - t0)
+                    results[m] = [o.outputs[0].token_ids for o in outs]
+            total = n * out_len
+            for m, llm in llms.items():
+                st = llm.stats()
+                ratios = sorted(b / t for b, t in zip(times["plain"], times[m]))
+                kept = f"{st.spec_acceptance_rate:.0%}" if st.spec_draft_tokens else "-"
+                same = sum(a == b for a, b in zip(results["plain"], results[m]))
+                print(
+                    f"{wname:<17}{mode:<15}{m:<11}{total / statistics.median(times[m]):>10.1f}"
+                    f"{statistics.median(ratios):>8.2f}x  ({ratios[0]:.2f}-{ratios[-1]:.2f}){'':<4}"
+                    f"{kept:>7}{st.forwards_per_token:>9.2f}  {same}/{n}"
+                )
 
 
 def parallel_sampling(model, tokenizer, prompts, n: int) -> None:

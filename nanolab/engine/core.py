@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from nanolab.engine.model_runner import BatchLayout, ModelRunner, layout_batch, needs_extras
+from nanolab.engine.model_runner import BatchLayout, ModelRunner, can_speculate, layout_batch, needs_extras
 from nanolab.engine.output_processor import OutputProcessor
 from nanolab.engine.outputs import RequestOutput
 from nanolab.engine.parallel import SampleGroup, fork_samples
@@ -228,9 +228,10 @@ class EngineCore:
 
     def _propose(self, reqs: list[Request]) -> None:
         """Ask the speculator for the next step's guesses of each decoding request that just got a token
-        (none for those that need extras, and never more than the request may still generate)."""
+        (none for those that need more than their tokens, see `can_speculate`, and never more than the
+        request may still generate)."""
         spec = self.speculator
-        live = [r for r in reqs if not r.is_finished and r.request_id not in self._with_extras]
+        live = [r for r in reqs if not r.is_finished and can_speculate(r)]
         if not live:
             return
         limit = self.outputs.max_model_len

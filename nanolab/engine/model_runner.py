@@ -113,6 +113,16 @@ def needs_extras(p: SamplingParams) -> bool:
     return p.n > 1 or p.logprobs is not None or p.prompt_logprobs is not None or p.adjusts_logits
 
 
+def can_speculate(r: Request) -> bool:
+    """Whether a request may check guesses (speculative decoding): when each of its steps needs only its
+    tokens, not their logprobs, no logit bias or penalties (their logits depend on the tokens before),
+    and it has no samples left to fork."""
+    p = r.sampling_params
+    return (
+        p.logprobs is None and not p.adjusts_logits and not r.samples_to_fork and not r.wants_prompt_logprobs
+    )
+
+
 class ModelRunner:
     """Runs a laid-out batch through the model over the paged KV cache and samples its next tokens."""
 

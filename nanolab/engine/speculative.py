@@ -28,9 +28,9 @@ and `DraftModelProposer` (a smaller model with the same tokenizer runs k steps a
 vLLM's names: ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
 "prompt_lookup_min": 1}`` or ``{"method": "draft_model", "model": ..., "num_speculative_tokens": 4}``.
 
-Requests whose step needs more than one sampled token (n > 1, logprobs, logit bias or penalties: see
-`nanolab.engine.model_runner.needs_extras`) do not speculate; they decode a token per step in the same
-batch as the others.
+Requests that need more of a step than its tokens (logprobs, logit bias or penalties: see
+`nanolab.engine.model_runner.can_speculate`) do not speculate; they decode a token per step in the same
+batch as the others. The samples of an n > 1 request speculate once forked.
 """
 
 from __future__ import annotations

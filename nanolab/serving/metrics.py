@@ -193,6 +193,27 @@ class ServerMetrics:
             "Prompt tokens served by the prefix cache / prompt tokens (0..1).",
             registry=r,
         )
+        # speculative decoding (vLLM's spec_decode_* names; all stay 0 without it)
+        self.spec_drafts = Counter(
+            f"{p}_spec_decode_num_drafts_total", "Request-steps that checked guessed tokens.", registry=r
+        )
+        self.spec_draft_tokens = Counter(
+            f"{p}_spec_decode_num_draft_tokens_total", "Guessed tokens checked by the model.", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            f"{p}_spec_decode_num_accepted_tokens_total", "Guessed tokens the model kept.", registry=r
+        )
+        self.spec_acceptance_rate = Gauge(
+            f"{p}_spec_decode_acceptance_rate",
+            "Guessed tokens kept / guessed tokens checked (0..1).",
+            registry=r,
+        )
+        self.forwards_per_token = Gauge(
+            f"{p}_forwards_per_output_token",
+            "Model forwards a request goes through per token it generates (1 without speculation).",
+            registry=r,
+        )
+        self._spec_seen = (0, 0, 0)  # the engine's totals at the last snapshot: counters grow by the change
 
     def quantile(self, name: str, q: float) -> float:
         """The ``q``-quantile of one of this object's histograms (``name`` without ``_bucket``), estimated
@@ -251,3 +272,15 @@ class ServerMetrics:
         self.kv_cached.set(stats.kv_blocks_cached)
         self.kv_usage.set(stats.kv_block_usage)
         self.prefix_hit_rate.set(stats.prefix_hit_rate)
+        # (a snapshot from an engine without speculation may lack its fields)
+        now = tuple(
+            getattr(stats, f"spec_{n}", 0) for n in ("verifications", "draft_tokens", "accepted_tokens")
+        )
+        for counter, new, old in zip(
+            (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens), now, self._spec_seen
+        ):
+            if new > old:
+                counter.inc(new - old)
+        self._spec_seen = now
+        self.spec_acceptance_rate.set(getattr(stats, "spec_acceptance_rate", 0.0))
+        self.forwards_per_token.set(getattr(stats, "forwards_per_token", 0.0))

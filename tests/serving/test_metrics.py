@@ -35,6 +35,11 @@ FAMILIES = {
     "nanolab_kv_blocks_cached": ("gauge", ()),
     "nanolab_kv_block_usage": ("gauge", ()),
     "nanolab_prefix_cache_hit_rate": ("gauge", ()),
+    "nanolab_spec_decode_num_drafts": ("counter", ()),
+    "nanolab_spec_decode_num_draft_tokens": ("counter", ()),
+    "nanolab_spec_decode_num_accepted_tokens": ("counter", ()),
+    "nanolab_spec_decode_acceptance_rate": ("gauge", ()),
+    "nanolab_forwards_per_output_token": ("gauge", ()),
 }
 
 
@@ -178,6 +183,8 @@ def test_engine_stats_land_in_the_gauges_and_max_waiting_is_inf_without_a_limit(
         kv_blocks_cached=10,
         kv_block_usage=0.4,
         prefix_hit_rate=0.25,
+        spec_acceptance_rate=0.75,
+        forwards_per_token=0.5,
     )
     m.observe_stats(stats)
     m.observe_step(SimpleNamespace(num_seqs=3, step_seconds=0.01))
@@ -195,6 +202,8 @@ def test_engine_stats_land_in_the_gauges_and_max_waiting_is_inf_without_a_limit(
         "nanolab_kv_blocks_cached": 10,
         "nanolab_kv_block_usage": 0.4,
         "nanolab_prefix_cache_hit_rate": 0.25,
+        "nanolab_spec_decode_acceptance_rate": 0.75,
+        "nanolab_forwards_per_output_token": 0.5,
     }
     assert families["nanolab_engine_steps"].samples[0].value == 1
 
@@ -253,3 +262,32 @@ def test_a_bucket_percentile_lies_in_the_bucket_of_the_true_one(values: list[flo
 def test_quantile_names_an_unknown_histogram() -> None:
     with pytest.raises(KeyError, match="nanolab_nothing"):
         ServerMetrics().quantile("nanolab_nothing", 0.5)
+
+
+def test_speculation_counters_follow_the_engine_and_never_count_twice() -> None:
+    """Each snapshot adds what changed since the last; the gauges say how well the guesses did."""
+    from helpers.engine_utils import tiny_model
+
+    from nanolab.engine.llm import LLM
+    from nanolab.model.sampling import SamplingParams
+
+    llm = LLM(tiny_model(vocab_size=32), speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    m = ServerMetrics()
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    for _ in range(2):
+        llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]] * 2, sp, use_tqdm=False)
+        stats = llm.stats()
+        m.observe_stats(stats)
+        m.observe_stats(stats)  # the same snapshot again adds nothing
+    families = parse(m)
+
+    def value(name: str) -> float:
+        return families[name].samples[0].value
+
+    assert stats.spec_draft_tokens > 0
+    assert value("nanolab_spec_decode_num_drafts") == stats.spec_verifications
+    assert value("nanolab_spec_decode_num_draft_tokens") == stats.spec_draft_tokens
+    assert value("nanolab_spec_decode_num_accepted_tokens") == stats.spec_accepted_tokens
+    assert value("nanolab_spec_decode_acceptance_rate") == pytest.approx(stats.spec_acceptance_rate)
+    assert value("nanolab_forwards_per_output_token") == pytest.approx(stats.forwards_per_token)
+    assert stats.forwards_per_token < 1

@@ -45,6 +45,16 @@ def test_bench_engine_quick():
     assert m and m.group(1) == m.group(2), out
     computed = [int(x) for x in re.findall(r"prompt tokens computed (\d+)", out)]
     assert len(computed) == 2 and computed[1] == int(m.group(2)) * computed[0], computed
+    # speculative decoding: every row's greedy output equals plain decoding's, and n-gram guesses are kept
+    rows = re.findall(
+        r"^(repeats itself|does not repeat)\s+(one at a time|batch)\s+(\S+(?: k=\d+)?)\s.*?(\d+)/(\d+)$",
+        out,
+        re.M,
+    )
+    assert len(rows) >= 8, out
+    assert all(a == b for *_, a, b in rows), [r for r in rows if r[-2] != r[-1]]
+    kept = re.search(r"^repeats itself\s+batch\s+ngram k=4\s+\S+\s+\S+\s+\(\S+\)\s+(\d+)%", out, re.M)
+    assert kept and int(kept.group(1)) > 0, out
 
 
 @pytest.mark.timeout(600)
