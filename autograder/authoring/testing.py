@@ -66,6 +66,7 @@ from autograder.sandbox.remote import Remote, RemoteError
 # The fixtures are not imported: a test asks for them by name.
 __all__ = [
     "VISIBILITIES",
+    "ExceptionCatcher",
     "Learner",
     "Remote",
     "RemoteError",
@@ -77,6 +78,33 @@ __all__ = [
 ]
 
 VISIBILITIES = ("visible", "hidden", "after_due_date", "after_published")
+
+
+class ExceptionCatcher:
+    """Calls a function of the learner's in the sandbox and keeps the exception it raises, as a handle.
+
+    It goes through the standard library's `unittest` (`TestCase.assertRaises`), built here through
+    handles, so no code of the notebook stands between the call and the exception read back: a test then
+    reads the exception's type and fields (``.param``, ``.retry_after``) from the object itself. ``via``
+    names a module the notebook has imported (one that imports ``sys``), the way in to ``sys.modules``.
+    """
+
+    def __init__(self, lab: Any, via: str = "logging") -> None:
+        modules = lab.ref(getattr(lab, via).sys, "modules")
+        unittest = modules.get("importlib").import_module("unittest")
+        self.case = unittest.TestCase()
+        self.exception = lab.ref(modules.get("builtins"), "Exception")
+
+    def raised(self, function: Any, *args: Any) -> Remote | None:
+        """The exception ``function(*args)`` raised in the sandbox (a handle), or None if it returned."""
+        context = self.case.assertRaises(self.exception)
+        try:
+            context.handle("assertRaises", [function, *args], {})
+        except RemoteError as e:
+            if e.type_name == "AssertionError" and " not raised by " in e.message:
+                return None
+            raise
+        return context.exception
 
 
 class Learner:

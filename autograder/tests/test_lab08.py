@@ -12,7 +12,7 @@ inputs (`labkit.lab08.ToyEngine` beside nanolab's `EngineLoop`, its failed steps
 A refusal of `parse_completion_request` arrives here as a `RemoteError`, which carries the exception's type
 and message only, not its ``param``. To read the ``param`` without any code of the notebook in between, the
 call is made through the standard library's `unittest.TestCase.assertRaises` context, built in the sandbox
-through handles (`_Catcher`): it keeps the exception the learner's function raised, whose ``param`` is then
+through handles (`ExceptionCatcher`): it keeps the exception the learner's function raised, whose ``param`` is then
 read through its handle. Feedback says what is wrong and on which input, never the expected answer.
 """
 
@@ -26,7 +26,7 @@ import re
 
 import pytest
 
-from autograder.testing import Remote, RemoteError, expect, expect_value_error
+from autograder.testing import ExceptionCatcher, Remote, RemoteError, expect, expect_value_error
 from labkit.lab08 import EngineStepError as ToyStepError
 from labkit.lab08 import SamplingParams as ToyParams
 from labkit.lab08 import ToyEngine
@@ -190,29 +190,6 @@ def reference_parse(body) -> tuple:
                        ignored=list(r.ignored), model=r.model))  # fmt: skip
 
 
-class _Catcher:
-    """Calls a function of the learner's in the sandbox and keeps the exception it raises, as a handle:
-    through the standard library's `unittest` (`TestCase.assertRaises`), built here through handles, so no
-    code of the notebook stands between the call and the exception read back."""
-
-    def __init__(self, lab) -> None:
-        modules = lab.ref(lab.logging.sys, "modules")
-        unittest = modules.get("importlib").import_module("unittest")
-        self.case = unittest.TestCase()
-        self.exception = lab.ref(modules.get("builtins"), "Exception")
-
-    def raised(self, function, *args) -> Remote | None:
-        """The exception ``function(*args)`` raised in the sandbox (a handle), or None if it returned."""
-        context = self.case.assertRaises(self.exception)
-        try:
-            context.handle("assertRaises", [function, *args], {})
-        except RemoteError as e:
-            if e.type_name == "AssertionError" and " not raised by " in e.message:
-                return None
-            raise
-        return context.exception
-
-
 def learner_request(lab, body, request) -> dict:
     """The learner's CompletionRequest for ``body``, read back field by field through its handles."""
     where = f"parse_completion_request({_short(body)}, {MODEL!r})"
@@ -259,7 +236,7 @@ def check_accepted(lab, body: dict, want: dict) -> None:
         )
 
 
-def check_refused(lab, catcher: _Catcher, body, param, what: str) -> None:
+def check_refused(lab, catcher: ExceptionCatcher, body, param, what: str) -> None:
     exc = catcher.raised(lab.parse_completion_request, body, MODEL)
     assert exc is not None, (
         f"{what} {_short(body)} should be refused with InvalidRequest, but yours accepted it"
@@ -291,7 +268,7 @@ def test_parse_builds_the_same_request_as_nanolab(lab, rng):
 @pytest.mark.points(1)
 def test_parse_refuses_a_bad_field_naming_it(lab, rng):
     """parse_completion_request refuses each bad value of each field (wrong types, NaN and infinities, bools for numbers, strings for numbers, nested lists and objects, empty strings and lists, stream_options without stream) with InvalidRequest naming the field, and a body that is not an object with param None"""
-    catcher = _Catcher(lab)
+    catcher = ExceptionCatcher(lab)
     for body, field in bad_bodies(rng):
         verdict = reference_parse(body)
         assert verdict == ("refused", field), (

@@ -6,7 +6,7 @@ As in test_lab08.py, everything of the learner's is driven from here through the
 as data, outputs and snapshots are built with the setup's classes, every call and read-back goes through a
 handle, and nanolab's pieces run here on the same inputs; the two are compared as plain data. A refusal's
 ``param`` and a `ServerOverloaded`'s ``retry_after`` are read off the exception the learner's code raised,
-kept by the standard library's ``unittest`` (`_Catcher`), so no code of the notebook stands in between.
+kept by the standard library's ``unittest`` (`ExceptionCatcher`), so no code of the notebook stands in between.
 
 The race. Calls through handles go one at a time (the sandbox has one pipe), so threads here could never
 make the learner's `admit` run twice at once. The threads are made in the sandbox instead, from the standard
@@ -33,7 +33,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from autograder.testing import Remote, RemoteError, expect
+from autograder.testing import ExceptionCatcher, Remote, RemoteError, expect
 from labkit.lab08 import MetricSet as SetupMetricSet
 from nanolab.engine.core import EngineStepError as NanolabStepError
 from nanolab.engine.outputs import CompletionOutput as NanolabCompletion
@@ -57,29 +57,6 @@ def _short(value, limit: int = 300) -> str:
 def _raised(e: RemoteError) -> str:
     """What the learner's code raised, as its type and the start of its message."""
     return f"{e.type_name}: {e.message[:200]}" if e.message else e.type_name
-
-
-class _Catcher:
-    """Calls a function of the learner's in the sandbox and keeps the exception it raises, as a handle:
-    through the standard library's `unittest` (`TestCase.assertRaises`), built here through handles, so no
-    code of the notebook stands between the call and the exception read back."""
-
-    def __init__(self, lab) -> None:
-        modules = lab.ref(lab.logging.sys, "modules")
-        unittest = modules.get("importlib").import_module("unittest")
-        self.case = unittest.TestCase()
-        self.exception = lab.ref(modules.get("builtins"), "Exception")
-
-    def raised(self, function, *args) -> Remote | None:
-        """The exception ``function(*args)`` raised in the sandbox (a handle), or None if it returned."""
-        context = self.case.assertRaises(self.exception)
-        try:
-            context.handle("assertRaises", [function, *args], {})
-        except RemoteError as e:
-            if e.type_name == "AssertionError" and " not raised by " in e.message:
-                return None
-            raise
-        return context.exception
 
 
 # ---------------------------------------------------------------------------------------------- chat bodies
@@ -296,7 +273,7 @@ def check_chat_accepted(lab, body: dict, want: dict) -> None:
         )
 
 
-def check_chat_refused(lab, catcher: _Catcher, body, param, what: str) -> None:
+def check_chat_refused(lab, catcher: ExceptionCatcher, body, param, what: str) -> None:
     exc = catcher.raised(lab.parse_chat_request, body, MODEL)
     assert exc is not None, (
         f"{what} {_short(body)} should be refused with InvalidRequest, but yours accepted it"
@@ -332,7 +309,7 @@ def test_chat_parse_builds_the_same_request_as_nanolab(lab, rng):
 @pytest.mark.points(1)
 def test_chat_parse_refuses_a_bad_field_naming_it(lab, rng):
     """parse_chat_request refuses a bad conversation (no messages, a message without a role or content, an image or other non-text part) naming messages, a bad max_completion_tokens under that name, a bad completions field under its own name, and a body that is not an object with param None"""
-    catcher = _Catcher(lab)
+    catcher = ExceptionCatcher(lab)
     for body, field in bad_chat_bodies(rng):
         assert reference_chat(body) == ("refused", field), (
             f"the test made a chat body nanolab does not refuse as planned: {body}"
@@ -616,7 +593,7 @@ class _Engine:
         return ("round", self.handled, self.waiting)
 
 
-def learner_admit(lab, catcher: _Catcher, admission, k: int, where: str) -> tuple:
+def learner_admit(lab, catcher: ExceptionCatcher, admission, k: int, where: str) -> tuple:
     """("admitted",) or ("refused", retry_after), read off what the learner's admit did."""
     try:
         exc = catcher.raised(admission.admit, k)
@@ -689,7 +666,7 @@ def play_admission(lab, catcher, ops: list, rng=None, steps: int = 0) -> None:
 @pytest.mark.points(1)
 def test_admission_counts_like_nanolab(lab, rng):
     """Admission admits and refuses what nanolab's admits and refuses on a fixed trace and random ones (limits 1 to 8 and none, adds of several prompts, rounds reporting what the engine took and admitted), with the same retry_after and the same waiting count after every call"""
-    catcher = _Catcher(lab)
+    catcher = ExceptionCatcher(lab)
     play_admission(lab, catcher, fixed_admission_ops())
     for _ in range(30):
         play_admission(lab, catcher, random_admission_ops(rng), rng, rng.randint(30, 70))

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
+
+from helpers.grading_utils import grade_command
 
 from autograder.grading import cli
 from autograder.grading.results import student_id
@@ -33,21 +32,8 @@ def test_an_nbgrader_submitted_tree_grades_into_a_csv_keyed_by_student_id(tmp_pa
         target = course / "submitted" / student / "lab01" / "lab01_tokenizer.ipynb"
         target.parent.mkdir(parents=True)
         shutil.copy(ROOT / notebook / "lab01_tokenizer.ipynb", target)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "nanolab.cli",
-            "grade",
-            *sorted(map(str, course.glob("submitted/*/lab01/*.ipynb"))),
-        ]
-        + ["--jobs", "2", "--csv", str(tmp_path / "grades.csv")],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    submitted = sorted(map(str, course.glob("submitted/*/lab01/*.ipynb")))
+    grade_command(*submitted, "--jobs", "2", "--csv", str(tmp_path / "grades.csv"))
     with open(tmp_path / "grades.csv", newline="") as f:
         rows = {row["student_id"]: row for row in csv.DictReader(f)}
     assert set(rows) == {"alice", "bob"}

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from helpers.grading_utils import grade_command
 
 from autograder.grading import similarity
 from autograder.grading.similarity import compare, fingerprints, graded_code_of, normalized_tokens, overlap
@@ -133,15 +132,8 @@ def test_the_cli_reports_matches_in_the_csv_and_json_without_changing_scores(tmp
         (ROOT / "labs" / "lab01_tokenizer.ipynb").read_text()
     )
     paths = [str(tmp_path / n / "lab01_tokenizer.ipynb") for n in ("alice", "bob", "carol")]
-    done = subprocess.run(
-        [sys.executable, "-m", "nanolab.cli", "grade", *paths, "--jobs", "2", "--similarity"]
-        + ["--csv", str(tmp_path / "g.csv"), "--json", str(tmp_path / "g.json")],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    outputs = ["--csv", str(tmp_path / "g.csv"), "--json", str(tmp_path / "g.json")]
+    done = grade_command(*paths, "--jobs", "2", "--similarity", *outputs)
     with open(tmp_path / "g.csv", newline="") as f:
         rows = {r["student_id"]: r for r in csv.DictReader(f)}
     assert "bob" in rows["alice"]["similar_to"] and similarity.REFERENCE in rows["alice"]["similar_to"]

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -265,3 +268,16 @@ def test_a_replay_rewritten_in_place_earns_nothing(batch):
     and copies that scheduler's state onto the learner's stub, earns nothing: the Scheduler's tests drive it
     from the grader through its handle, and the speed test first checks that it works when so driven."""
     check_tamper_earns_nothing(batch, "replay_rewritten_in_place")
+
+
+def grade_command(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``nanolab grade ARGS`` in a fresh interpreter, as an instructor runs it; asserts it succeeded."""
+    done = subprocess.run(
+        [sys.executable, "-m", "nanolab.cli", "grade", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
