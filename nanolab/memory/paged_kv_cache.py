@@ -7,8 +7,10 @@ slot ``block_table[pos // block_size] * block_size + pos % block_size`` of the f
 Before each forward, `prepare` is told which requests run and how many new tokens each brings (the
 engine puts the one-token decodes first). It lays out the batch once — slot of every new token, block
 tables and context lengths — so that `attend`, called by every layer, only writes the new keys/values
-into their slots and runs attention: one batched paged-decode call for all decodes, and one paged
-prefill call per prefill chunk (which attends over the request's cached prefix too).
+into their slots and runs attention: one batched paged-decode call for all decodes, one call of the C++
+kernel for all short chunks that follow a cached prefix (speculative decoding's verifications: a
+request's last token and its guesses), and one paged prefill call per other chunk (which attends over
+the request's cached prefix too).
 """
 
 from __future__ import annotations
@@ -19,10 +21,15 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from nanolab.memory import attention_backends as _backends
 from nanolab.memory.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
 from nanolab.memory.paging import slot_mapping, slot_of
 from nanolab.model.attention import sdpa
 from nanolab.model.config import ModelConfig
+
+# Chunks of at most this many tokens after a cached prefix run together in one C++ kernel call (measured:
+# 3x faster than a call per chunk for 8 chunks of 5 rows, still faster at 9 rows; slower alone at 17).
+MAX_BATCHED_CHUNK = 9
 
 
 class SeqSlice(NamedTuple):  # a NamedTuple: the engine builds one per request per step
@@ -52,6 +59,11 @@ class PagedKVCache:
         self.backend = attention_backend
         self.scale = config.head_dim**-0.5
         self._num_decodes = 0
+        self._short: tuple | None = None  # the short chunks' (rows, block tables, lens, query starts)
+        # the C++ kernel takes the short chunks in one call where it can run this cache
+        self._batch_short = (
+            attention_backend != "torch" and _backends.HAS_CPP_KERNEL and dtype == torch.float32
+        )
 
     @property
     def nbytes(self) -> int:
@@ -97,11 +109,31 @@ class PagedKVCache:
             self._dec_lens = torch.from_numpy(np.array(positions[:n_dec], dtype=np.int32) + 1)
         # Prefill chunks: (first row, last row, block table, context length, starts at 0?)
         self._prefills = []
+        short: list[tuple[int, SeqSlice]] = []  # (first row, chunk) of the short chunks after a prefix
         row = n_dec
-        for table, start, n in chunks:
-            t = torch.tensor(table, dtype=torch.int32)
-            self._prefills.append((row, row + n, t, start + n, start == 0))
+        for s in chunks:
+            table, start, n = s
+            if self._batch_short and start > 0 and n <= MAX_BATCHED_CHUNK:
+                short.append((row, s))
+            else:
+                t = torch.tensor(table, dtype=torch.int32)
+                self._prefills.append((row, row + n, t, start + n, start == 0))
             row += n
+        self._short = None
+        if short:
+            width = max(len(s.block_table) for _, s in short)
+            rows = [r for first, s in short for r in range(first, first + s.num_new)]
+            tables = np.zeros((len(short), width), dtype=np.int32)
+            for i, (_, s) in enumerate(short):
+                tables[i, : len(s.block_table)] = s.block_table
+            lens = np.array([s.start_pos + s.num_new for _, s in short], dtype=np.int32)
+            starts = np.cumsum([0] + [s.num_new for _, s in short], dtype=np.int32)
+            self._short = (
+                torch.tensor(rows, dtype=torch.long),
+                torch.from_numpy(tables),
+                torch.from_numpy(lens),
+                torch.from_numpy(starts),
+            )
         return torch.from_numpy(np.array(positions, dtype=np.int64))
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -136,6 +168,9 @@ class PagedKVCache:
             out[:n] = paged_decode_attention(
                 q[:n], k_cache, v_cache, self._dec_tables, self._dec_lens, self.scale, backend=self.backend
             )
+        if self._short is not None:
+            rows, tables, lens, starts = self._short
+            out[rows] = _backends.cpp_attention(q[rows], k_cache, v_cache, tables, lens, starts, self.scale)
         for first, last, table, context_len, fresh in self._prefills:
             if fresh:
                 # Nothing cached before this chunk: plain causal attention over the chunk itself.
