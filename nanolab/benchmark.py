@@ -59,4 +59,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
         f"peak KV block usage: {st.peak_kv_block_usage:.0%} of {st.kv_blocks_total} blocks, "
         f"preemptions: {st.preemptions}, prefix hit rate: {st.prefix_hit_rate:.1%}"
     )
+    if llm.engine.speculator is not None:
+        print(
+            f"speculative decoding: guesses kept {st.spec_accepted_tokens} of {st.spec_draft_tokens} "
+            f"({st.spec_acceptance_rate:.0%}), {st.spec_mean_accepted:.2f} per check, "
+            f"{st.forwards_per_token:.2f} model forwards per output token"
+        )
     return 0

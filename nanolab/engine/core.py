@@ -70,9 +70,16 @@ class EngineCore:
         self._with_extras: set[str] = set()
         self.counters = StepCounters()
         self.speculator = speculator
-        if speculator is not None:
-            runner.verify_greedy = speculator.verify_greedy
-            runner.rejection_sample = speculator.rejection_sample
+
+    @property
+    def speculator(self) -> Speculator | None:
+        """Speculative decoding's proposer and rules (None: off); setting it swaps them in for the next step."""
+        return self._speculator
+
+    @speculator.setter
+    def speculator(self, speculator: Speculator | None) -> None:
+        self._speculator = speculator
+        self.runner.speculator = speculator
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -202,7 +209,6 @@ class EngineCore:
         (the stop rules see each; what follows a stop is dropped), then the KV of rejected guesses
         rolled back. Returns the outputs and the number of tokens appended."""
         now, generated = time.monotonic(), 0
-        counters = self.speculator.counters if self.speculator is not None else None
         for r, first, more, d, prefilled in zip(
             batch.to_sample, tokens, batch.extra_tokens, batch.num_drafts, batch.prefilled
         ):
@@ -216,10 +222,13 @@ class EngineCore:
                 if reason is not None:
                     break
             if d:
-                if counters is not None:
-                    counters.add(d, len(more))
                 r.spec_token_ids, r.spec_draft_probs = [], None
-                self.block_manager.rollback(r)  # before a finish: the prefix cache must not see guesses
+                # before a finish, which offers the computed blocks to the prefix cache: it must never see a guess
+                if self.speculator is not None:
+                    self.speculator.counters.add(d, len(more))
+                    self.speculator.rollback(r, self.block_manager)
+                else:
+                    self.block_manager.rollback(r)
             if reason is not None:
                 self._finish(r, reason)
             elif prefilled:

@@ -43,6 +43,7 @@ class Engine(EngineCore):
         prefix_cache: type | PrefixCacheProtocol | None = None,
         scheduler: type | SchedulerProtocol | None = None,
         listeners: Sequence[StepListener] = (),
+        speculator: Speculator | None = None,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -68,7 +69,7 @@ class Engine(EngineCore):
             tokenizer,
             cfg.max_model_len,
             listeners,
-            _speculator(cfg, model),
+            speculator if speculator is not None else _speculator(cfg, model),
         )
         self._ids = itertools.count()
         self.prompts = PromptProcessor(tokenizer, model.config.vocab_size, cfg)

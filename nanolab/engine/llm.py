@@ -34,6 +34,8 @@ class LLM:
     plugs in here. ``listeners`` are called with each step's `StepRecord`. Engine settings are given as keywords (``max_num_seqs=8``, ``block_size=4``: the
     fields of `EngineConfig`, checked by name) or as one ``config=EngineConfig(...)``.
     ``chat_template`` (Jinja source or a `ChatTemplate`) replaces the checkpoint's own, for `chat`.
+    ``speculator`` (a `nanolab.engine.speculative.Speculator`) replaces the one ``speculative_config``
+    builds: a learner's own proposer, verification rules or rollback plug in here.
     """
 
     def __init__(
@@ -47,6 +49,7 @@ class LLM:
         config: EngineConfig | None = None,
         listeners: Sequence[StepListener] = (),
         chat_template: str | ChatTemplate | None = None,
+        speculator: Any = None,
         **settings: Any,
     ) -> None:
         from nanolab.model.loading import load_chat_template, load_model, load_tokenizer
@@ -66,7 +69,14 @@ class LLM:
         self.tokenizer = tokenizer
         self.chat_template = self._as_template(chat_template)
         self.engine = Engine(
-            self.model, tokenizer, config, block_allocator, prefix_cache, scheduler, listeners=listeners
+            self.model,
+            tokenizer,
+            config,
+            block_allocator,
+            prefix_cache,
+            scheduler,
+            listeners=listeners,
+            speculator=speculator,
         )
 
     @classmethod

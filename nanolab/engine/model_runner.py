@@ -130,9 +130,8 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.forward_seconds = 0.0  # the model's share of the last `run`
-        # how guesses are checked (speculative decoding; the engine's `Speculator` may swap them)
-        self.verify_greedy = speculative.verify_greedy
-        self.rejection_sample = speculative.rejection_sample
+        # speculative decoding: the engine's `Speculator`, whose rules check the guesses (None: nanolab's)
+        self.speculator: speculative.Speculator | None = None
 
     @torch.inference_mode()
     def run(
@@ -196,6 +195,9 @@ class ModelRunner:
         or, for a request that checks guesses, the first its verification keeps (the others kept go to
         ``batch.extra_tokens``). ``all_logits[firsts[i]:]`` holds request i's row and its guesses' rows."""
         reqs = batch.to_sample
+        spec = self.speculator
+        verify_greedy = spec.verify_greedy if spec is not None else speculative.verify_greedy
+        rejection_sample = spec.rejection_sample if spec is not None else speculative.rejection_sample
         tokens = [0] * len(reqs)
         batch.extra_tokens = [[] for _ in reqs]
         plain = [i for i, d in enumerate(batch.num_drafts) if not d]
@@ -208,11 +210,11 @@ class ModelRunner:
             r, p = reqs[i], reqs[i].sampling_params
             guesses, rows = r.spec_token_ids[:d], all_logits[firsts[i] : firsts[i] + d + 1]
             if p.greedy:
-                kept = self.verify_greedy(guesses, argmax(rows.float()).tolist())
+                kept = verify_greedy(guesses, argmax(rows.float()).tolist())
             else:
                 q = r.spec_draft_probs[:d] if r.spec_draft_probs is not None else None
                 probs = filter_logits(rows, [p] * (d + 1)).softmax(dim=-1)
-                kept = self.rejection_sample(guesses, probs, q, r.generator)
+                kept = rejection_sample(guesses, probs, q, r.generator)
             tokens[i], batch.extra_tokens[i] = kept[0], list(kept[1:])
         return tokens
 

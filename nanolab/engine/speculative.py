@@ -250,7 +250,12 @@ class SpecCounters:
 
 
 class Speculator:
-    """The engine's speculation: a proposer, and the two verification rules (each can be swapped)."""
+    """The engine's speculation: a proposer, the two verification rules and the KV rollback, each of which
+    can be swapped for another with the same signature (`LLM(speculator=...)`; a learner's own plugs in here).
+
+    ``rollback(request, block_manager)`` forgets the KV past a request's kept tokens; None: the block
+    manager's own (`nanolab.memory.block_manager.BlockManager.rollback`).
+    """
 
     def __init__(
         self,
@@ -258,12 +263,21 @@ class Speculator:
         proposer: Proposer,
         verify_greedy: Any = verify_greedy,
         rejection_sample: Any = rejection_sample,
+        rollback: Any = None,
     ) -> None:
         self.config = config
         self.proposer = proposer
         self.verify_greedy = verify_greedy
         self.rejection_sample = rejection_sample
+        self._rollback = rollback
         self.counters = SpecCounters()
+
+    def rollback(self, request: Any, block_manager: Any) -> None:
+        """Forget the keys and values of ``request``'s rejected guesses (see the module)."""
+        if self._rollback is None:
+            block_manager.rollback(request)
+        else:
+            self._rollback(request, block_manager)
 
     @property
     def k(self) -> int:

@@ -264,9 +264,8 @@ def test_guesses_kept_or_rejected_at_any_position_give_the_greedy_output(
 ):
     prompts, lengths, refs = workload
     config = EngineConfig(block_size=4, num_blocks=40, max_num_batched_tokens=32)
-    llm = LLM(model, config=config)
-    spec_config = SpeculativeConfig("ngram", 5)
-    llm.engine.speculator = Speculator(spec_config, NoisyOracle(model, prompts, refs, wrong, seed=2))
+    oracle = NoisyOracle(model, prompts, refs, wrong, seed=2)
+    llm = LLM(model, config=config, speculator=Speculator(SpeculativeConfig("ngram", 5), oracle))
     got = _generate(llm, prompts, lengths)
     ties = _check(workload, got, record_property)
     stats = llm.stats()
@@ -311,6 +310,45 @@ def test_requests_that_need_extras_keep_their_output_next_to_speculating_ones(
     record_property("near_ties", ties)
     print(f"near-ties accepted: {ties}")
     assert llm.stats().spec_accepted_tokens > 0
+
+
+def test_a_speculator_of_ones_own_plugs_in_whole(model, workload, record_property):
+    """Each part of a `Speculator` given to `LLM(speculator=...)` is the one the engine calls: the
+    proposer, both verification rules and the rollback."""
+    from nanolab.engine import speculative
+
+    prompts, lengths, _ = workload
+    calls = {"propose": 0, "greedy": 0, "sample": 0, "rollback": 0}
+
+    def counted(name, fn):
+        def wrapper(*args):
+            calls[name] += 1
+            return fn(*args)
+
+        return wrapper
+
+    class Proposer(NgramProposer):
+        propose = counted("propose", NgramProposer.propose)
+
+    def rollback(req, block_manager):
+        calls["rollback"] += 1
+        block_manager.rollback(req)
+
+    config = SpeculativeConfig("ngram", 3)
+    spec = Speculator(
+        config,
+        Proposer(config),
+        counted("greedy", speculative.verify_greedy),
+        counted("sample", speculative.rejection_sample),
+        rollback,
+    )
+    llm = LLM(model, block_size=4, speculator=spec)
+    _check(workload, _generate(llm, prompts, lengths), record_property)
+    sampled = SamplingParams(max_tokens=12, temperature=0.7, seed=3, ignore_eos=True)
+    llm.generate(prompts[-4:], sampled, use_tqdm=False)
+    assert all(calls.values()), calls
+    assert calls["rollback"] == llm.stats().spec_verifications == calls["greedy"] + calls["sample"]
+    _all_blocks_free(llm)
 
 
 # -- the engine: a draft model ------------------------------------------------------------------------

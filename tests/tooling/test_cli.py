@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -62,6 +63,13 @@ def test_bench_prints_throughput_and_latency(checkpoint):
     assert res.returncode == 0, res.stderr
     for needle in ("requests: 6", "output tokens/s", "TTFT", "TPOT", "mean batch size"):
         assert needle in res.stdout
+    assert "speculative decoding" not in res.stdout
+    spec = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+    res = subprocess.run(cmd + spec, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert re.search(
+        r"speculative decoding: guesses kept \d+ of \d+ .*model forwards per output token", res.stdout
+    )
 
 
 def test_generate_into_a_closed_pipe_stops_without_a_traceback(checkpoint):
