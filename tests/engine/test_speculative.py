@@ -480,3 +480,84 @@ def test_an_ngram_proposer_proposes_for_each_request_its_own_guesses():
 
     p = NgramProposer(SpeculativeConfig("ngram", 3, prompt_lookup_max=2))
     assert p.propose([R([1, 2, 3, 1, 2]), R([5, 5]), R([1, 2, 1])], [3, 2, 0]) == [[3, 1, 2], [5], []]
+
+
+# -- the engine: text, stop rules and Hugging Face models ------------------------------------------------
+
+
+def test_stop_strings_stop_tokens_and_streams_behave_as_without_speculation():
+    """On the bundled model, with guesses kept several at a time: a stop string ends the text at the same
+    place (nothing after it leaks, even from a guess kept in the same step), a stop token ends the
+    output, and the streamed deltas add up to the final text, held-back text included."""
+    prompts = [
+        "class Stack:\n    def __init__(self):\n        self.items = []\n",
+        "def fibonacci(n):\n",
+        "import os\nimport sys\n",
+    ]
+    plain, spec = LLM(), LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 5})
+    greedy = SamplingParams(max_tokens=48, temperature=0)
+    full = [o.outputs[0] for o in plain.generate(prompts, greedy, use_tqdm=False)]
+    stops = [c.text[len(c.text) // 2 : len(c.text) // 2 + 3] for c in full]  # a string from the middle
+    stop_token = full[1].token_ids[len(full[1].token_ids) // 2]
+    params = [
+        SamplingParams(max_tokens=48, temperature=0, stop=[stops[0]]),
+        SamplingParams(max_tokens=48, temperature=0, stop_token_ids=[stop_token]),
+        SamplingParams(max_tokens=48, temperature=0, stop=[stops[2]]),
+    ]
+    want = [
+        (o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason)
+        for o in plain.generate(prompts, params, use_tqdm=False)
+    ]
+    texts: dict[str, str] = {}
+    final = {}
+    for out in spec.stream(prompts, params):
+        texts[out.request_id] = texts.get(out.request_id, "") + out.outputs[0].delta_text
+        if out.finished:
+            final[out.request_id] = out.outputs[0]
+    got = [(c.text, c.token_ids, c.finish_reason) for c in (final[k] for k in sorted(final, key=int))]
+    assert got == want
+    assert [texts[k] for k in sorted(texts, key=int)] == [t for t, _, _ in want]
+    assert all(reason == "stop" for _, _, reason in want)
+    assert spec.stats().spec_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_greedy_output_equals_hugging_face_generate_with_speculation(kind, tmp_path, record_property):
+    """A tiny Hugging Face checkpoint, 12 requests with repeating and random prompts, both proposers
+    (the draft: the same checkpoint, so every guess is checked by a second copy of the model)."""
+    from helpers.hf_models import save_tiny_hf_model
+
+    hf = save_tiny_hf_model(kind, tmp_path)
+    vocab = hf.config.vocab_size
+    rng = random.Random(5)
+    prompts = random_prompts(6, vocab, 2, 20, seed=5)
+    for _ in range(6):
+        pattern = [rng.randrange(vocab) for _ in range(rng.randint(2, 5))]
+        prompts.append((pattern * 8)[: rng.randint(6, 24)])
+    lengths = [4 + (5 * i) % 20 for i in range(len(prompts))]
+    expected = []
+    for prompt, n in zip(prompts, lengths):
+        with torch.no_grad():
+            res = hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+        gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in res.scores]
+        expected.append((res.sequences[0, len(prompt) :].tolist(), gaps))
+    ties = 0
+    for method in ("ngram", "draft_model"):
+        spec = {"method": method, "num_speculative_tokens": 4}
+        if method == "draft_model":
+            spec["model"] = str(tmp_path)
+        llm = LLM(tmp_path, block_size=4, max_num_batched_tokens=24, speculative_config=spec)
+        got = _generate(llm, prompts, lengths)
+        ties += sum(compare_greedy(ref, gaps, g) for (ref, gaps), g in zip(expected, got))
+        assert llm.stats().spec_accepted_tokens > 0, method
+    record_property("near_ties", ties)
+    print(f"near-ties accepted: {ties}")
