@@ -561,3 +561,28 @@ def test_greedy_output_equals_hugging_face_generate_with_speculation(kind, tmp_p
         assert llm.stats().spec_accepted_tokens > 0, method
     record_property("near_ties", ties)
     print(f"near-ties accepted: {ties}")
+
+
+def test_aborting_speculating_requests_frees_every_block_of_both_models(model, workload):
+    """Requests aborted between steps, while they hold guesses, give back their blocks in the engine and
+    in the draft model's cache; the others finish with the greedy output."""
+    prompts, lengths, refs = workload
+    spec = {"method": "draft_model", "model": noisy_copy(model, 0.2), "num_speculative_tokens": 3}
+    llm = LLM(model, block_size=4, speculative_config=spec)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    reqs = llm.engine.add_requests(prompts, params)
+    for _ in range(6):
+        llm.engine.step()
+    guessing = [r for r in reqs if r.spec_token_ids and not r.is_finished]
+    assert guessing, "no request held guesses after 6 steps"
+    for r in guessing[::2]:
+        assert llm.engine.abort(r.request_id).finished
+    kept = [r for r in reqs if r not in guessing[::2]]
+    outs = llm.engine.run_until_finished([r.request_id for r in kept if not r.is_finished])
+    assert all(o.finished for o in outs)
+    for r in kept:
+        i = reqs.index(r)
+        compare_greedy(*refs[i], r.output_token_ids)
+    _all_blocks_free(llm)
+    proposer = llm.engine.speculator.proposer
+    assert not proposer.seqs and proposer.allocator.num_free == proposer.allocator.num_total
