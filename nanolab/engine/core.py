@@ -224,16 +224,31 @@ class EngineCore:
             if d:
                 r.spec_token_ids, r.spec_draft_probs = [], None
                 # before a finish, which offers the computed blocks to the prefix cache: it must never see a guess
+                held = len(r.block_table)
                 if self.speculator is not None:
                     self.speculator.counters.add(d, len(more))
                     self.speculator.rollback(r, self.block_manager)
                 else:
                     self.block_manager.rollback(r)
+                self._check_rollback(r, held)
             if reason is not None:
                 self._finish(r, reason)
             elif prefilled:
                 self.block_manager.cache_computed(r)
         return self.outputs.step_outputs(batch.to_sample, self.groups, finished_only), generated
+
+    def _check_rollback(self, r: Request, held: int) -> None:
+        """A rollback (perhaps one's own, through the `Speculator`) must leave the last token to compute and
+        keep the blocks of every token it held (``held``: its blocks before): otherwise the next step would
+        compute nothing for the request, or read keys and values it no longer holds. RuntimeError (the step
+        fails, its requests are aborted)."""
+        need = min(held, self.block_manager.num_blocks_for(r.num_tokens))
+        if r.num_computed_tokens >= r.num_tokens or len(r.block_table) < need:
+            raise RuntimeError(
+                f"after the rollback, request {r.request_id!r} has {r.num_computed_tokens} of its {r.num_tokens} "
+                f"tokens computed and {len(r.block_table)} blocks; a rollback leaves at most "
+                f"{r.num_tokens - 1} computed and keeps {need} blocks"
+            )
 
     def _propose(self, reqs: list[Request]) -> None:
         """Ask the speculator for the next step's guesses of each decoding request that just got a token

@@ -586,3 +586,29 @@ def test_aborting_speculating_requests_frees_every_block_of_both_models(model, w
     _all_blocks_free(llm)
     proposer = llm.engine.speculator.proposer
     assert not proposer.seqs and proposer.allocator.num_free == proposer.allocator.num_total
+
+
+@pytest.mark.parametrize("bug", ["leaves-every-token-computed", "drops-the-last-tokens-block"])
+def test_a_rollback_that_breaks_the_request_fails_the_step_rather_than_hang(model, bug):
+    """A rollback of one's own that leaves no token to compute (the scheduler would never run the request
+    again) or drops a block the request still needs fails the step with a message; the engine goes on."""
+    from nanolab.engine.core import EngineStepError
+
+    def broken(req, block_manager):
+        block_manager.rollback(req)
+        if bug == "leaves-every-token-computed":
+            req.num_computed_tokens = req.num_tokens
+        else:
+            block_manager.allocator.free(req.block_table[-1:])
+            del req.block_table[-1:]
+
+    config = SpeculativeConfig("ngram", 3)
+    llm = LLM(model, block_size=4, speculator=Speculator(config, NgramProposer(config), rollback=broken))
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    llm.engine.add_requests([[5, 6, 7, 5, 6, 7, 5, 6]], params)
+    with pytest.raises(EngineStepError, match="after the rollback"):
+        for _ in range(40):
+            llm.engine.step()
+    assert not llm.engine.has_unfinished()
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 1
