@@ -8,5 +8,6 @@ preemption), `model_runner` (a step's batch laid out, one forward, sampling), `d
 growing token list), `stopping` (the stop rules), `output_processor` (text, stop rules and outputs per
 request), `outputs` (the output values), `parallel` (n samples of one prompt), `engine` (the step: five
 calls), `stats` (what observers see), `chat` (a conversation rendered and tokenized: the prompt of
-`LLM.chat` and of the server's chat endpoint), `llm` (`LLM`: offline generation in vLLM's shape).
+`LLM.chat` and of the server's chat endpoint), `speculative` (speculative decoding: proposers, verification,
+the rejection sampler; Lab 9), `llm` (`LLM`: offline generation in vLLM's shape).
 """
