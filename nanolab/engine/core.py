@@ -173,7 +173,7 @@ class EngineCore:
         batch = layout_batch(sched.scheduled)
         self._in_flight = batch.requests
         tokens = self.runner.run(batch, sched.blocks_to_copy, bool(self._with_extras), self._fork)
-        if batch.extra_tokens:
+        if getattr(batch, "extra_tokens", None):  # (a lab's own BatchLayout has none)
             outputs, generated = self._process_speculative(batch, tokens, finished_only)
         else:
             outputs, generated = self._process(batch, tokens, finished_only), len(tokens)

@@ -154,7 +154,8 @@ class ModelRunner:
         positions = self.kv_cache.prepare(batch.seqs)
         hidden = self.model(torch.tensor(batch.token_ids, dtype=torch.long), positions, self.kv_cache)
         rows, firsts = batch.sample_rows, None
-        if any(batch.num_drafts):  # speculation: each guess's row too, after its request's sample row
+        num_drafts = getattr(batch, "num_drafts", ())  # (a lab's own BatchLayout has none)
+        if any(num_drafts):  # speculation: each guess's row too, after its request's sample row
             firsts, rows = [], []
             for row, d in zip(batch.sample_rows, batch.num_drafts):
                 firsts.append(len(rows))
@@ -176,7 +177,8 @@ class ModelRunner:
                 children = fork(r) if r.samples_to_fork else []
                 batch.to_sample += children
                 batch.prefilled += [False] * len(children)  # the parent offers the prompt to the cache
-                batch.num_drafts += [0] * len(children)
+                if firsts is not None:
+                    batch.num_drafts += [0] * len(children)
                 rows += [i] * len(children)
             logits = torch.cat([logits, logits[rows]])  # each sample draws its first token from the prompt's
         if firsts is None:
