@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from helpers.engine_utils import random_prompts
-from helpers.hf_models import VOCAB, save_tiny_hf_model
+from helpers.hf_models import VOCAB, hf_greedy, save_tiny_hf_model
 
 from nanolab.engine.llm import LLM
 from nanolab.model.sampling import SamplingParams
@@ -24,23 +23,11 @@ def test_engine_matches_hf_generate_on_32_mixed_requests(kind, tmp_path, record_
 
     ties = 0
     for prompt, n, out in zip(prompts, lengths, outs):
-        with torch.no_grad():
-            res = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                output_scores=True,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-            )
-        expected = res.sequences[0, len(prompt) :].tolist()
+        expected, gaps = hf_greedy(hf, prompt, n)
         got = out.outputs[0].token_ids
         if got != expected:
             i = next(i for i, (a, b) in enumerate(zip(expected, got)) if a != b)
-            top = res.scores[i][0].topk(2).values
-            gap = float(top[0] - top[1])
+            gap = gaps[i]
             assert gap < 1e-4, (
                 f"prompt {prompt}: token {i} is {got[i]}, HF says {expected[i]} (gap {gap:.2e})"
             )

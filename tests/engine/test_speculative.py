@@ -525,7 +525,7 @@ def test_stop_strings_stop_tokens_and_streams_behave_as_without_speculation():
 def test_greedy_output_equals_hugging_face_generate_with_speculation(kind, tmp_path, record_property):
     """A tiny Hugging Face checkpoint, 12 requests with repeating and random prompts, both proposers
     (the draft: the same checkpoint, so every guess is checked by a second copy of the model)."""
-    from helpers.hf_models import save_tiny_hf_model
+    from helpers.hf_models import hf_greedy, save_tiny_hf_model
 
     hf = save_tiny_hf_model(kind, tmp_path)
     vocab = hf.config.vocab_size
@@ -535,21 +535,7 @@ def test_greedy_output_equals_hugging_face_generate_with_speculation(kind, tmp_p
         pattern = [rng.randrange(vocab) for _ in range(rng.randint(2, 5))]
         prompts.append((pattern * 8)[: rng.randint(6, 24)])
     lengths = [4 + (5 * i) % 20 for i in range(len(prompts))]
-    expected = []
-    for prompt, n in zip(prompts, lengths):
-        with torch.no_grad():
-            res = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                output_scores=True,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-            )
-        gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in res.scores]
-        expected.append((res.sequences[0, len(prompt) :].tolist(), gaps))
+    expected = [hf_greedy(hf, prompt, n) for prompt, n in zip(prompts, lengths)]
     ties = 0
     for method in ("ngram", "draft_model"):
         spec = {"method": method, "num_speculative_tokens": 4}

@@ -74,3 +74,21 @@ def save_tiny_hf_model(kind: str, path: Path, **kwargs):
     model = tiny_hf_model(kind, **kwargs)
     model.save_pretrained(path)
     return model
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """``n`` tokens of ``hf.generate``'s greedy continuation of ``prompt``, and the gap between the top two
+    logits at each of them (for `helpers.engine_utils.compare_greedy`'s near-tie rule)."""
+    with torch.no_grad():
+        res = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    top2 = [s[0].topk(2).values for s in res.scores]
+    return res.sequences[0, len(prompt) :].tolist(), [float(t[0] - t[1]) for t in top2]
