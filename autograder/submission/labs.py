@@ -272,6 +272,36 @@ LABS: dict[int, LabSpec] = {
         # the setup's MetricSet, which the learner's accounting writes into.
         packages=("prometheus_client",),
     ),
+    9: LabSpec(
+        number=9,
+        name="speculative-decoding",
+        title="Lab 9: Speculative decoding",
+        notebook="lab09_speculative_decoding.ipynb",
+        setup_cells=("setup",),
+        graded_cells=MappingProxyType(
+            {
+                "propose-ngram": ("propose_ngram",),
+                "verify-greedy": ("verify_greedy",),
+                "rejection-sample": ("rejection_sample",),
+                "rollback": ("rollback",),
+                "expected-tokens": ("expected_tokens_per_step",),
+            }
+        ),
+        blocked_modules=MappingProxyType(
+            {
+                "nanolab": _OWN_CODE,
+                "autograder": "graded code may not use the grader",
+                "vllm": "your speculative decoding must be your own",
+                "sglang": "your speculative decoding must be your own",
+                "transformers": "your speculative decoding must be your own",
+            }
+        ),
+        # The models run in the grader, whose engine calls the learner's proposer, verification, sampler
+        # and rollback (over the setup's KVPool, the engine's allocator) in the sandbox. The sampler works on
+        # small torch tensors: torch is preloaded because importing it maps a lot of address space; numpy
+        # carries arrays across.
+        preload=("torch", "numpy"),
+    ),
 }
 
 

@@ -107,9 +107,6 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config needs {key!r}")
         return cls(**value)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
-
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -233,6 +230,28 @@ def rejection_sample(
         return out
     out.append(int(torch.multinomial(p[k], 1, generator=generator)))
     return out
+
+
+def expected_tokens_per_step(acceptance_rate: float, k: int) -> float:
+    """Tokens a verification yields on average when each guess is kept with probability ``acceptance_rate``
+    (independently of the others) and ``k`` are checked: 1 + a + a^2 + ... + a^k = (1 - a^(k+1)) / (1 - a).
+
+    The first rejected guess ends the run, and the model's own token comes either way. With a = 1 every
+    guess is kept: k + 1. A ValueError for a rate outside [0, 1] or a negative k.
+
+    Example:
+        >>> expected_tokens_per_step(0.5, 3)
+        1.875
+        >>> expected_tokens_per_step(1.0, 4)
+        5.0
+    """
+    if not 0.0 <= acceptance_rate <= 1.0:
+        raise ValueError(f"an acceptance rate is in [0, 1], got {acceptance_rate!r}")
+    if k < 0:
+        raise ValueError(f"the number of guesses k is at least 0, got {k!r}")
+    if acceptance_rate == 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance_rate ** (k + 1)) / (1.0 - acceptance_rate)
 
 
 @dataclass
