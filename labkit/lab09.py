@@ -78,7 +78,12 @@ class Seq:
 
 
 def draw_many(
-    sampler: Callable, draft: Sequence[int] | None, target_probs, draft_probs=None, n: int = 1000, seed: int = 0
+    sampler: Callable,
+    draft: Sequence[int] | None,
+    target_probs,
+    draft_probs=None,
+    n: int = 1000,
+    seed: int = 0,
 ) -> dict[tuple[int, ...], int]:
     """Call ``sampler(draft, target_probs, draft_probs, generator)`` ``n`` times with one generator seeded
     ``seed``; how many times each output came back. The checks use it to test a sampler's distribution.
@@ -90,11 +95,15 @@ def draw_many(
     p = torch.as_tensor(target_probs, dtype=torch.float32)
     q = None if draft_probs is None else torch.as_tensor(draft_probs, dtype=torch.float32)
     if (q is None) == (draft is None):
-        raise ValueError("give the guesses (draft) or the distribution they are drawn from (draft_probs), not both")
+        raise ValueError(
+            "give the guesses (draft) or the distribution they are drawn from (draft_probs), not both"
+        )
     generator = torch.Generator().manual_seed(seed)
     counts: dict[tuple[int, ...], int] = {}
     for _ in range(n):
-        guesses = list(draft) if q is None else [int(torch.multinomial(row, 1, generator=generator)) for row in q]
+        guesses = (
+            list(draft) if q is None else [int(torch.multinomial(row, 1, generator=generator)) for row in q]
+        )
         out = sampler(guesses, p, q, generator)
         if not isinstance(out, list) or not all(isinstance(t, int) for t in out):
             raise TypeError(f"the sampler must return a list of ints, got {out!r:.80}")

@@ -114,7 +114,9 @@ def test_propose_ngram_speed_is_within_budget(lab, rng):
         before = lab.cpu_seconds()
         got = [lab.propose_ngram(t, 4, 1, 4) for t in texts]
         elapsed = lab.cpu_seconds() - before
-    assert got == want, "only a correct result counts: on the speed workload your guesses differ from nanolab's"
+    assert got == want, (
+        "only a correct result counts: on the speed workload your guesses differ from nanolab's"
+    )
     assert elapsed <= budget, (
         f"10 lookups on 12,000-token texts took {elapsed:.2f} s of CPU time; the budget is {budget:.2f} s "
         "(60x nanolab's + 1 s): compare each window with the suffix in place, without copying the text"
@@ -152,7 +154,9 @@ def test_verify_greedy_matches_the_reference(lab, rng):
 # ---------------------------------------------------------------------------------------------- rejection_sample
 
 
-def exact_distribution(p: torch.Tensor, q: torch.Tensor | None, draft: list[int] | None) -> dict[tuple, float]:
+def exact_distribution(
+    p: torch.Tensor, q: torch.Tensor | None, draft: list[int] | None
+) -> dict[tuple, float]:
     """The probability of every output of a correct rejection sampler, with guesses ``draft`` (certain) or
     drawn from the rows of ``q``: a run of kept guesses t_0 .. t_(i-1) (each kept with probability
     min(p_j(t), q_j(t)) once drawn), then a token y drawn from the residual, max(0, p_i(y) - q_i(y)), or,
@@ -199,7 +203,11 @@ def chi_square_p_value(counts: dict[tuple, int], probs: dict[tuple, float]) -> f
         df += 1
     if df < 1:
         return 1.0
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)
+        )
+    )
 
 
 def _random_probs(rng, rows: int, vocab: int, zeros: bool = True) -> torch.Tensor:
@@ -222,7 +230,9 @@ def _draw(lab, draft, p, q, n: int, seed: int, where: str) -> dict[tuple, int]:
         with lab.time_limit(120):
             counts = lab.draw_many(lab.rejection_sample, draft, p, q, n, seed)
     except RemoteError as e:
-        raise AssertionError(f"{where}: your rejection_sample raised {e.type_name}: {e.message[:160]}") from None
+        raise AssertionError(
+            f"{where}: your rejection_sample raised {e.type_name}: {e.message[:160]}"
+        ) from None
     return {tuple(key): value for key, value in expect(counts, dict, "draw_many(...)").items()}
 
 
@@ -246,7 +256,9 @@ def _check_distribution(lab, rng, certain: bool) -> None:
         firsts: dict[int, int] = {}
         for key, n in counts.items():
             firsts[key[0]] = firsts.get(key[0], 0) + n
-        first_p = chi_square_p_value({(t,): n for t, n in firsts.items()}, {(t,): float(p[0, t]) for t in range(vocab)})
+        first_p = chi_square_p_value(
+            {(t,): n for t, n in firsts.items()}, {(t,): float(p[0, t]) for t in range(vocab)}
+        )
         assert p_value > P_VALUE, (
             f"{where}: over 6000 draws your outputs do not follow the target's distribution (chi-square p-value "
             f"{p_value:.1e}"
@@ -281,7 +293,9 @@ def test_rejection_sampler_uses_the_generator_and_handles_edges(lab, rng):
     none = _draw(lab, [], p[:1], None, 2000, seed, "no guesses")
     assert all(len(key) == 1 for key in none), "with no guesses the sampler returns exactly one token"
     p_value = chi_square_p_value(none, {(t,): float(p[0, t]) for t in range(5) if float(p[0, t]) > 0})
-    assert p_value > P_VALUE, f"with no guesses your token does not follow the first row (p-value {p_value:.1e})"
+    assert p_value > P_VALUE, (
+        f"with no guesses your token does not follow the first row (p-value {p_value:.1e})"
+    )
     same = _draw(lab, None, p, p[:2], 500, seed, "p equal to q")
     assert all(len(key) == 3 for key in same), "where q equals p every guess must be kept (min(1, p/q) = 1)"
     p0 = p.clone()
@@ -323,7 +337,9 @@ def test_rollback_matches_the_reference(lab, rng):
             f"{held} blocks in the table"
         )
         ref_allocator = BlockAllocator(held + 4)
-        want = SimpleNamespace(num_tokens=num_tokens, num_computed_tokens=computed, block_table=ref_allocator.allocate(held))
+        want = SimpleNamespace(
+            num_tokens=num_tokens, num_computed_tokens=computed, block_table=ref_allocator.allocate(held)
+        )
         BlockManager(ref_allocator, bs).rollback(want)
         pool = lab.KVPool(held + 4, bs)
         seq = lab.Seq(num_tokens, computed, pool.allocate(held))
@@ -334,7 +350,9 @@ def test_rollback_matches_the_reference(lab, rng):
         assert result is None, f"{where}: rollback changes the request in place and returns None"
         got_computed = expect(seq.num_computed_tokens, int, "num_computed_tokens")
         got_table = expect(seq.block_table, list, "block_table")
-        assert expect(seq.num_tokens, int, "num_tokens") == num_tokens, f"{where}: rollback must not change num_tokens"
+        assert expect(seq.num_tokens, int, "num_tokens") == num_tokens, (
+            f"{where}: rollback must not change num_tokens"
+        )
         assert got_computed == want.num_computed_tokens, (
             f"{where}: num_computed_tokens is {got_computed} after your rollback"
             + (" (more than the kept tokens minus the last, which is computed next step)" if got_computed > num_tokens - 1 else "")
@@ -436,9 +454,15 @@ class SandboxNgram:
     def propose(self, requests, num_tokens) -> list[list[int]]:
         out = []
         for r, k in zip(requests, num_tokens):
-            guess = expect(self.lab.propose_ngram(r.all_token_ids, k), list, "propose_ngram(...)") if k > 0 else []
+            guess = (
+                expect(self.lab.propose_ngram(r.all_token_ids, k), list, "propose_ngram(...)")
+                if k > 0
+                else []
+            )
             if len(guess) > k or not all(type(t) is int for t in guess):
-                raise AssertionError(f"in the engine, propose_ngram asked for {k} guesses returned {len(guess)} values")
+                raise AssertionError(
+                    f"in the engine, propose_ngram asked for {k} guesses returned {len(guess)} values"
+                )
             out.append(guess)
         return out
 
@@ -449,8 +473,12 @@ def learners_speculator(lab, config: SpeculativeConfig, pool, proposer=None) -> 
     def verify(draft, target):
         return expect(lab.verify_greedy(list(draft), list(target)), list, "verify_greedy(...)")
 
-    def sample(draft, target_probs, draft_probs, generator):  # a generator cannot cross: the sandbox's own RNG
-        return expect(lab.rejection_sample(list(draft), target_probs, draft_probs), list, "rejection_sample(...)")
+    def sample(
+        draft, target_probs, draft_probs, generator
+    ):  # a generator cannot cross: the sandbox's own RNG
+        return expect(
+            lab.rejection_sample(list(draft), target_probs, draft_probs), list, "rejection_sample(...)"
+        )
 
     def rollback(request, block_manager):
         seq = lab.Seq(request.num_tokens, request.num_computed_tokens, list(request.block_table))
@@ -470,7 +498,9 @@ def run_capped(llm, prompts, params, what: str, max_steps: int = 2000) -> list[l
         try:
             llm.engine.step()
         except RemoteError as e:
-            raise AssertionError(f"{what}: your code raised {e.type_name} when the engine called it: {e.message[:160]}") from None
+            raise AssertionError(
+                f"{what}: your code raised {e.type_name} when the engine called it: {e.message[:160]}"
+            ) from None
     raise AssertionError(f"{what}: the requests had not finished after {max_steps} engine steps")
 
 
@@ -490,7 +520,10 @@ def _compare_in_engine(lab, model, tokenizer, prompts, params, settings: dict, k
             "start from the right place in the cache)"
         )
     mine, theirs = yours.stats(), reference_llm.stats()
-    assert (mine.spec_draft_tokens, mine.spec_accepted_tokens) == (theirs.spec_draft_tokens, theirs.spec_accepted_tokens), (
+    assert (mine.spec_draft_tokens, mine.spec_accepted_tokens) == (
+        theirs.spec_draft_tokens,
+        theirs.spec_accepted_tokens,
+    ), (
         f"{what}: your pieces checked {mine.spec_draft_tokens} guesses and kept {mine.spec_accepted_tokens}; "
         f"nanolab's checked {theirs.spec_draft_tokens} and kept {theirs.spec_accepted_tokens}"
     )
@@ -546,7 +579,9 @@ def tiny_hf_model(seed: int) -> Transformer | None:
 @pytest.mark.points(1)
 def test_your_pieces_serve_other_models(lab, rng):
     """Check your pieces in the engine on a random Llama-style model and a tiny Hugging Face Qwen2 model (small vocabularies, so guesses are often right): the outputs and acceptance of nanolab's own speculation, every block freed."""
-    config = ModelConfig(vocab_size=24, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, d_ff=64, max_seq_len=96)
+    config = ModelConfig(
+        vocab_size=24, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, d_ff=64, max_seq_len=96
+    )
     models = [(spread_out(Transformer(config), rng.randrange(2**31)), "a random Llama-style model")]
     if (hf := tiny_hf_model(rng.randrange(2**31))) is not None:
         models.append((hf, "a tiny Hugging Face Qwen2 model"))
@@ -555,7 +590,9 @@ def test_your_pieces_serve_other_models(lab, rng):
         prompts = [[rng.randrange(vocab) for _ in range(rng.randint(4, 30))] for _ in range(5)]
         params = nanolab.SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
         settings = dict(block_size=4, num_blocks=40, max_num_seqs=3)
-        _compare_in_engine(lab, model, None, prompts, params, settings, 4, f"{label} in the engine (k = 4, 40 blocks of 4)")
+        _compare_in_engine(
+            lab, model, None, prompts, params, settings, 4, f"{label} in the engine (k = 4, 40 blocks of 4)"
+        )
 
 
 @pytest.mark.points(1)
@@ -565,12 +602,17 @@ def test_sampled_requests_speculate_to_the_end_with_your_sampler(lab, rng):
     ids = tokenizer.encode(stdlib_text(*STDLIB_FILES))
     start = rng.randrange(len(ids) - 100)
     prompts = [ids[start : start + 40], ids[start + 40 : start + 70] * 2]
-    params = nanolab.SamplingParams(max_tokens=24, temperature=0.8, seed=rng.randrange(2**31), ignore_eos=True)
+    params = nanolab.SamplingParams(
+        max_tokens=24, temperature=0.8, seed=rng.randrange(2**31), ignore_eos=True
+    )
     settings = dict(block_size=4, num_blocks=48, max_num_seqs=2)
     draft = nanolab.load_model("tinypy-draft")
     for config, label in [
         (SpeculativeConfig(method="ngram", num_speculative_tokens=3), "n-gram guesses"),
-        (SpeculativeConfig(method="draft_model", model=draft, num_speculative_tokens=3), "the draft model's guesses"),
+        (
+            SpeculativeConfig(method="draft_model", model=draft, num_speculative_tokens=3),
+            "the draft model's guesses",
+        ),
     ]:
         remote_pool = lab.KVPool(48, 4)
         pool = SandboxPool(remote_pool)
@@ -581,7 +623,8 @@ def test_sampled_requests_speculate_to_the_end_with_your_sampler(lab, rng):
         what = f"sampled requests in the engine with {label}"
         got = run_capped(llm, prompts, params, what)
         assert all(len(tokens) == 24 for tokens in got), f"{what}: a request did not get its 24 tokens"
-        assert llm.stats().spec_accepted_tokens > 0, f"{what}: not one guess was kept in {llm.stats().spec_draft_tokens}"
+        assert llm.stats().spec_accepted_tokens > 0, (
+            f"{what}: not one guess was kept in {llm.stats().spec_draft_tokens}"
+        )
         cached = llm.engine.block_manager.prefix_cache.total_size // 4
         assert pool.num_free + cached == 48, f"{what}: every request finished, yet some blocks are still held"
-
