@@ -183,6 +183,26 @@ def exact_distribution(
     return out
 
 
+def why_impossible(key: tuple, p: torch.Tensor, q: torch.Tensor | None, draft: list[int] | None) -> str:
+    """What rule an output of probability 0 breaks, in the lab's terms."""
+    k = p.shape[0] - 1
+    if not key:
+        return "no token at all (a verification always yields at least the model's own token)"
+    if len(key) > k + 1:
+        return f"{len(key)} tokens from {k} guesses (at most k + 1)"
+    for j, t in enumerate(key[:-1]):
+        if draft is not None and t != draft[j]:
+            return f"token {j} is not guess {j}, yet more tokens follow it (a replacement ends the step)"
+        if float(p[j, t]) == 0:
+            return f"guess {j} was kept though the model gives it probability 0"
+    i, y = len(key) - 1, key[-1]
+    if i == k:
+        return "a bonus token the last row gives probability 0 (draw the bonus from the row after the last guess)"
+    if draft is not None and y == draft[i]:
+        return "a replacement equal to the rejected guess (take the guess out of the residual)"
+    return "a replacement token that the residual max(0, p - q) gives probability 0"
+
+
 def chi_square_p_value(counts: dict[tuple, int], probs: dict[tuple, float]) -> float:
     """Pearson's chi-square test of ``counts`` against ``probs`` (outcomes expected fewer than 5 times are
     pooled into one); 0 if an outcome of probability 0 was drawn."""
@@ -246,12 +266,9 @@ def _check_distribution(lab, rng, certain: bool) -> None:
         probs = exact_distribution(p, q, draft)
         impossible = [key for key in counts if key not in probs]
         assert not impossible, (
-            f"{where}: your sampler returned an output a correct one never gives, "
-            + (
-                "of more than k + 1 tokens" if any(len(key) > k + 1 for key in impossible)
-                else "a token after a rejected guess, a replacement equal to the rejected guess, or a token of probability 0"
-            )
-        )  # fmt: skip
+            f"{where}: your sampler returned an output a correct one never gives: "
+            + why_impossible(impossible[0], p, q, draft)
+        )
         p_value = chi_square_p_value(counts, probs)
         firsts: dict[int, int] = {}
         for key, n in counts.items():
