@@ -17,6 +17,7 @@ from nanolab.engine.speculative import (
     NgramProposer,
     SpeculativeConfig,
     Speculator,
+    expected_tokens_per_step,
     propose_ngram,
     rejection_sample,
     verify_greedy,
@@ -598,3 +599,21 @@ def test_a_rollback_that_breaks_the_request_fails_the_step_rather_than_hang(mode
     assert not llm.engine.has_unfinished()
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 1
+
+
+def test_expected_tokens_per_step_is_the_mean_run_of_independent_acceptances():
+    rng = random.Random(0)
+    for a, k in [(0.0, 3), (0.3, 1), (0.6, 4), (0.9, 8), (1.0, 5)]:
+        runs = []
+        for _ in range(20000):
+            n = 1  # the model's own token
+            while n <= k and rng.random() < a:
+                n += 1
+            runs.append(n)
+        mean = sum(runs) / len(runs)
+        spread = (sum((r - mean) ** 2 for r in runs) / len(runs)) ** 0.5
+        assert expected_tokens_per_step(a, k) == pytest.approx(mean, abs=5 * spread / len(runs) ** 0.5 + 1e-9)
+    assert expected_tokens_per_step(1 - 1e-12, 3) == pytest.approx(4.0)
+    for a, k in [(-0.1, 1), (1.1, 1), (0.5, -1)]:
+        with pytest.raises(ValueError):
+            expected_tokens_per_step(a, k)
