@@ -67,9 +67,9 @@ class Seq:
     """A request as its KV cache sees it (nanolab's requests have these three fields too).
 
     ``num_tokens`` tokens are the request's prompt and output so far, the tokens kept by this step's
-    verification included; ``num_computed_tokens`` of them, and possibly rejected guesses past them, had
-    their keys and values written; ``block_table[i]`` holds positions ``i * block_size`` to
-    ``(i + 1) * block_size - 1``.
+    verification included. ``num_computed_tokens`` positions have their keys and values written: right after
+    a verification that counts the guesses' positions too, rejected ones included, so it may exceed
+    ``num_tokens``. ``block_table[i]`` holds positions ``i * block_size`` to ``(i + 1) * block_size - 1``.
     """
 
     num_tokens: int
