@@ -70,10 +70,12 @@ __all__ = [
     "Learner",
     "Remote",
     "RemoteError",
+    "SandboxAllocator",
     "bundled_model",
     "expect",
     "expect_value_error",
     "spread_out",
+    "tiny_hf_model",
     "stdlib_text",
 ]
 
@@ -211,6 +213,57 @@ def spread_out(model: Any, seed: int) -> Any:
             noise = torch.randn(p.shape, generator=g)
             p.copy_(1 + 0.1 * noise if "norm" in name and name.endswith("weight") else 0.15 * noise)
     return model.eval()
+
+
+def tiny_hf_model(seed: int, vocab_size: int = 64, max_positions: int = 64) -> Any:
+    """A random Qwen2-style model built by Hugging Face transformers (one KV head for four query heads,
+    q/k/v biases), converted to a nanolab ``Transformer``; None where transformers is not installed."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    import torch
+
+    from nanolab.model.hf import config_from_hf, state_from_hf
+    from nanolab.model.transformer import Transformer
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    hf_config = transformers.Qwen2Config(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=max_positions, tie_word_embeddings=False,
+        initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    hf = transformers.Qwen2ForCausalLM(hf_config).eval()
+    _, config = config_from_hf(hf_config.to_dict())
+    model = Transformer(config)
+    model.load_state_dict(state_from_hf(hf.state_dict(), config, "a tiny Qwen2 model"))
+    return model.eval()
+
+
+class SandboxAllocator:
+    """A block allocator for nanolab's engine whose every call goes to an allocator in the sandbox (the
+    learner's, or a setup cell's) through its handle: ``LLM(block_allocator=SandboxAllocator(lab.X(...)))``."""
+
+    def __init__(self, remote: Remote) -> None:
+        self.remote = remote
+        self.num_total = remote.num_total
+
+    @property
+    def num_free(self) -> int:
+        return self.remote.num_free
+
+    def allocate(self, n: int) -> list[int]:
+        return list(self.remote.allocate(n))
+
+    def free(self, block_ids: Any) -> None:
+        self.remote.free(list(block_ids))
+
+    def incref(self, block_ids: Any) -> None:
+        self.remote.incref(list(block_ids))
+
+    def ref_count(self, block_id: int) -> int:
+        return self.remote.ref_count(block_id)
 
 
 # -- the fixtures (registered by the grader's pytest plugin; a test asks for them by name)

@@ -17,7 +17,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 import nanolab
-from autograder.testing import RemoteError, bundled_model, expect, spread_out, stdlib_text
+from autograder.testing import RemoteError, bundled_model, expect, spread_out, stdlib_text, tiny_hf_model
 from nanolab.engine.core import EngineStepError
 from nanolab.memory.paging import cdiv, slot_mapping
 from nanolab.model.attention import dense_causal_attention
@@ -307,29 +307,6 @@ def test_your_allocator_and_cache_serve_the_bundled_model_through_preemptions(la
     assert allocator.num_free == allocator.num_total, (
         "after every request finished and the prefix cache let go, some blocks are still held by your allocator"
     )
-
-
-def tiny_hf_model(seed: int) -> Transformer | None:
-    """A random Qwen2-style model built by Hugging Face transformers (one KV head for four query heads,
-    q/k/v biases), converted to nanolab; None where transformers is not installed."""
-    try:
-        import transformers
-    except ImportError:
-        return None
-    from nanolab.model.hf import config_from_hf, state_from_hf
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(seed)
-    hf_config = transformers.Qwen2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False, initializer_range=0.2,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
-    hf = transformers.Qwen2ForCausalLM(hf_config).eval()
-    _, config = config_from_hf(hf_config.to_dict())
-    model = Transformer(config)
-    model.load_state_dict(state_from_hf(hf.state_dict(), config, "a tiny Qwen2 model"))
-    return model.eval()
 
 
 def test_your_cache_serves_other_model_families(lab, rng):

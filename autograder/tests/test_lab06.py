@@ -22,7 +22,14 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 import nanolab
-from autograder.testing import RemoteError, bundled_model, expect, expect_value_error, stdlib_text
+from autograder.testing import (
+    RemoteError,
+    SandboxAllocator,
+    bundled_model,
+    expect,
+    expect_value_error,
+    stdlib_text,
+)
 from labkit.lab06 import replay_cache  # the notebook's own replay, run here around nanolab's cache
 from nanolab import PyBlockAllocator
 from nanolab.memory.prefix_cache import MatchResult, reusable_prefix
@@ -544,30 +551,6 @@ def test_cache_speed_is_within_budget(lab, rng):
 
 
 # ---------------------------------------------------------------------------------------------- in the engine
-
-
-class SandboxAllocator:
-    """The engine's block allocator: every call goes to the learner's BlockAllocator in the sandbox."""
-
-    def __init__(self, remote) -> None:
-        self.remote = remote
-        self.num_total = remote.num_total
-
-    @property
-    def num_free(self) -> int:
-        return self.remote.num_free
-
-    def allocate(self, n: int) -> list[int]:
-        return list(self.remote.allocate(n))
-
-    def free(self, block_ids) -> None:
-        self.remote.free(list(block_ids))
-
-    def incref(self, block_ids) -> None:
-        self.remote.incref(list(block_ids))
-
-    def ref_count(self, block_id: int) -> int:
-        return self.remote.ref_count(block_id)
 
 
 class SandboxCache:

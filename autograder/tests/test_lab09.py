@@ -23,7 +23,16 @@ import pytest
 import torch
 
 import nanolab
-from autograder.testing import RemoteError, bundled_model, expect, expect_value_error, spread_out, stdlib_text
+from autograder.testing import (
+    RemoteError,
+    SandboxAllocator,
+    bundled_model,
+    expect,
+    expect_value_error,
+    spread_out,
+    stdlib_text,
+    tiny_hf_model,
+)
 from nanolab.engine import speculative as reference
 from nanolab.engine.speculative import SpeculativeConfig, Speculator
 from nanolab.memory.block_allocator import BlockAllocator
@@ -437,31 +446,6 @@ def test_expected_tokens_per_step_matches_the_reference(lab, rng):
 # ---------------------------------------------------------------------------------------------- in the engine
 
 
-class SandboxPool:
-    """The engine's block allocator: every call goes to the setup's KVPool in the sandbox, which the learner's
-    rollback frees blocks into."""
-
-    def __init__(self, remote) -> None:
-        self.remote = remote
-        self.num_total = remote.num_total
-
-    @property
-    def num_free(self) -> int:
-        return self.remote.num_free
-
-    def allocate(self, n: int) -> list[int]:
-        return list(self.remote.allocate(n))
-
-    def free(self, block_ids) -> None:
-        self.remote.free(list(block_ids))
-
-    def incref(self, block_ids) -> None:
-        self.remote.incref(list(block_ids))
-
-    def ref_count(self, block_id: int) -> int:
-        return self.remote.ref_count(block_id)
-
-
 class SandboxNgram:
     """A proposer whose guesses come from the learner's propose_ngram."""
 
@@ -527,7 +511,7 @@ def _compare_in_engine(lab, model, tokenizer, prompts, params, settings: dict, k
     reference_llm = nanolab.LLM(model, tokenizer, speculative_config=config, **settings)
     want = run_capped(reference_llm, prompts, params, what)
     remote_pool = lab.KVPool(nb, bs)
-    pool = SandboxPool(remote_pool)
+    pool = SandboxAllocator(remote_pool)
     yours = nanolab.LLM(model, tokenizer, block_allocator=pool, speculator=learners_speculator(lab, config, remote_pool), **settings)  # fmt: skip
     got = run_capped(yours, prompts, params, what)
     for i, (a, b) in enumerate(zip(got, want)):
@@ -570,29 +554,6 @@ def test_your_pieces_in_the_engine_keep_the_reference_outputs(lab, rng):
     _compare_in_engine(lab, model, tokenizer, prompts, params, settings, k, what)
 
 
-def tiny_hf_model(seed: int) -> Transformer | None:
-    """A random Qwen2-style model built by Hugging Face transformers, converted to nanolab; None where transformers
-    is not installed."""
-    try:
-        import transformers
-    except ImportError:
-        return None
-    from nanolab.model.hf import config_from_hf, state_from_hf
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(seed)
-    hf_config = transformers.Qwen2Config(
-        vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, max_position_embeddings=96, tie_word_embeddings=False, initializer_range=0.2,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
-    hf = transformers.Qwen2ForCausalLM(hf_config).eval()
-    _, config = config_from_hf(hf_config.to_dict())
-    model = Transformer(config)
-    model.load_state_dict(state_from_hf(hf.state_dict(), config, "a tiny Qwen2 model"))
-    return model.eval()
-
-
 @pytest.mark.points(1)
 def test_your_pieces_serve_other_models(lab, rng):
     """Check your pieces in the engine on a random Llama-style model and a tiny Hugging Face Qwen2 model (small vocabularies, so guesses are often right): the outputs and acceptance of nanolab's own speculation, every block freed."""
@@ -600,7 +561,7 @@ def test_your_pieces_serve_other_models(lab, rng):
         vocab_size=24, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, d_ff=64, max_seq_len=96
     )
     models = [(spread_out(Transformer(config), rng.randrange(2**31)), "a random Llama-style model")]
-    if (hf := tiny_hf_model(rng.randrange(2**31))) is not None:
+    if (hf := tiny_hf_model(rng.randrange(2**31), vocab_size=32, max_positions=96)) is not None:
         models.append((hf, "a tiny Hugging Face Qwen2 model"))
     for model, label in models:
         vocab = model.config.vocab_size
@@ -632,7 +593,7 @@ def test_sampled_requests_speculate_to_the_end_with_your_sampler(lab, rng):
         ),
     ]:
         remote_pool = lab.KVPool(48, 4)
-        pool = SandboxPool(remote_pool)
+        pool = SandboxAllocator(remote_pool)
         proposer = None
         if config.method == "draft_model":
             proposer = reference.DraftModelProposer(config, draft, 48, 4)
