@@ -25,6 +25,12 @@ token and as many guesses as the budget and the KV pool allow (``1 + d`` tokens;
 `nanolab.engine.speculative`); the guesses it cannot have this step are dropped, never the decode, and
 no request is preempted to make room for a guess.
 
+Shared prefixes are computed once: a waiting request whose prompt starts with whole blocks that a running
+request is computing right now (and the prefix cache does not hold yet) waits until that prompt is done and
+cached, rather than computing the same blocks again in parallel (SGLang's in-batch prefix caching); the
+requests behind it are admitted meanwhile. Only requests that share a prefix with a prompt in progress
+ever wait for this; static batching (`StaticBatchScheduler`) never does.
+
 Policies order the waiting queue: "fcfs" (arrival), "priority" (lower value first; every
 ``aging_steps`` steps waited lowers the effective value by one, so nothing starves) and "shortest"
 (fewest tokens to prefill first; can starve long prompts under constant load — that is the lesson).
@@ -157,6 +163,8 @@ def choose_victim(running: Sequence[Request], scheduled: Sequence[Request], need
 
 class Scheduler:
     """Token-budget scheduler with chunked prefill, three waiting policies and preemption by recompute."""
+
+    waits_for_shared_prefix = True  # a prompt whose prefix is being computed waits for it (see the module)
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         if config.max_num_batched_tokens is None:
@@ -295,8 +303,12 @@ class Scheduler:
         self.waiting = waiting_order(self.waiting, cfg.scheduling_policy, self.step_count, cfg.aging_steps)
         seats = len(self.running) + sum(r.samples_to_fork for r in self.running)  # forks to come included
         admitting = self.admits_new_requests()
+        deferred: list[Request] = []  # waiting for a prefix that a running prompt is computing
         while admitting and self.waiting and budget > 0 and seats < cfg.max_num_seqs:
             req = self.waiting[0]
+            if self.waits_for_shared_prefix and self._prefix_in_progress(req):
+                deferred.append(self.waiting.pop(0))
+                continue
             if seats + 1 + req.samples_to_fork > cfg.max_num_seqs:
                 break  # its samples need more seats than are free: it waits for them
             if not cfg.enable_chunked_prefill and req.remaining_prefill() > budget:
@@ -312,8 +324,38 @@ class Scheduler:
             seats += 1 + req.samples_to_fork
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
+        self.waiting[:0] = deferred  # at the front again, in their order
 
         return out
+
+    def _prefix_in_progress(self, req: Request) -> bool:
+        """Whether a running request's prompt, once computed and cached, gives ``req`` more whole blocks from the
+        prefix cache than it holds now. Cheap when nothing is shared: only prompts with the same first block
+        are compared, and the cache is asked only when some are."""
+        manager = self.block_manager
+        cache = manager.prefix_cache
+        if cache is None or getattr(req, "wants_prompt_logprobs", False):
+            return False
+        bs = manager.block_size
+        tokens = req.all_token_ids
+        servable = (len(tokens) - 1) // bs  # whole blocks a match can serve (one token is always computed)
+        if servable == 0:
+            return False
+        head = tokens[:bs]
+        shared = 0
+        for other in self.running:
+            prompt_len = other.num_prompt_tokens
+            if other.num_computed_tokens >= prompt_len or other.prompt_token_ids[:bs] != head:
+                continue  # its prompt is done (and cached), or shares no whole block with this one
+            theirs = other.prompt_token_ids
+            n = 1
+            limit = min(servable, prompt_len // bs)
+            while n < limit and theirs[n * bs : (n + 1) * bs] == tokens[n * bs : (n + 1) * bs]:
+                n += 1
+            shared = max(shared, n)
+        if shared == 0:
+            return False
+        return shared > cache.match_prefix(tokens).num_tokens // bs
 
 
 class StaticBatchScheduler(Scheduler):
@@ -324,6 +366,8 @@ class StaticBatchScheduler(Scheduler):
     leaves its seat empty, so the batch waits for its longest request (it returns early, rather than as
     padding, but no other request uses its seat). Budget, blocks and preemption are the `Scheduler`'s.
     """
+
+    waits_for_shared_prefix = False  # a batch is whoever is waiting when it forms
 
     def admits_new_requests(self) -> bool:
         return not self.running

@@ -491,3 +491,90 @@ def test_without_chunked_prefill_no_request_outgrows_the_step_budget():
     )
     with pytest.raises(ValueError, match="max_model_len 16 is more than max_num_batched_tokens 8"):
         LLM(MODEL, None, enable_chunked_prefill=False, max_num_batched_tokens=8, max_model_len=16)
+
+
+# -- shared prefixes computed once
+
+
+def _cached_scheduler(**config) -> Scheduler:
+    """A scheduler whose block manager has nanolab's radix prefix cache."""
+    from nanolab.memory.radix_cache import RadixCache
+
+    cfg = EngineConfig(**{"max_num_batched_tokens": 256, "num_blocks": 64, "block_size": 4, **config})
+    allocator = PyBlockAllocator(cfg.num_blocks)
+    return Scheduler(cfg, BlockManager(allocator, cfg.block_size, RadixCache(allocator, cfg.block_size)))
+
+
+def _prompt_req(name: str, tokens: list[int]) -> Request:
+    return Request(name, list(tokens), SamplingParams(max_tokens=4))
+
+
+def test_a_prompt_whose_prefix_is_being_computed_waits_and_those_behind_it_do_not():
+    sched = _cached_scheduler()
+    system = list(range(1, 21))  # 5 whole blocks
+    a, b = _prompt_req("a", system + [30, 31]), _prompt_req("b", system + [40])
+    c = _prompt_req("c", [50, 51, 52, 53, 54, 55])  # shares nothing
+    for r in (a, b, c):
+        sched.add(r)
+    first = [(s.request.request_id, s.num_new_tokens) for s in sched.schedule().scheduled]
+    assert first == [("a", 22), ("c", 6)]  # b waits for a's prompt; c, behind it, is admitted
+    assert ids(sched.waiting) == ["b"]
+    # the engine computes a's prompt and caches it (as EngineCore does once a prompt is done)
+    for r in (a, c):
+        r.num_computed_tokens = r.num_tokens
+        r.output_token_ids.append(7)
+        sched.block_manager.cache_computed(r)
+    second = {s.request.request_id: s.num_new_tokens for s in sched.schedule().scheduled}
+    assert second["b"] == 1  # its 20 shared tokens come from the cache: only its own token is computed
+    assert b.num_cached_tokens == 20
+
+
+def test_a_prompt_already_cached_or_sharing_less_than_a_block_does_not_wait():
+    sched = _cached_scheduler()
+    a = _prompt_req("a", [1, 2, 3, 9, 9, 9])
+    b = _prompt_req("b", [1, 2, 3, 8, 8, 8])  # shares 3 tokens: less than a whole block
+    sched.add(a)
+    sched.add(b)
+    assert ids(s.request for s in sched.schedule().scheduled) == ["a", "b"]
+    # a prompt whose shared blocks the cache already holds is admitted beside the one computing more of it
+    sched = _cached_scheduler()
+    old = _prompt_req("old", list(range(1, 10)))
+    sched.add(old)
+    sched.schedule()
+    old.num_computed_tokens = old.num_tokens
+    old.output_token_ids.append(7)
+    sched.block_manager.cache_computed(old)
+    new1 = _prompt_req("n1", list(range(1, 9)) + [60, 61, 62, 63, 64])
+    new2 = _prompt_req("n2", list(range(1, 9)) + [70])
+    sched.add(new1)
+    sched.add(new2)
+    got = {s.request.request_id: s.num_new_tokens for s in sched.schedule().scheduled}
+    assert got == {"old": 1, "n1": 5, "n2": 1}  # both served 8 cached tokens; neither waits for the other
+
+
+def test_shared_prefixes_are_computed_once_with_the_outputs_of_no_cache():
+    model = tiny_model()
+    system = random_prompts(1, 96, 40, 40, seed=3)[0]
+    prompts = [system + p for p in random_prompts(12, 96, 3, 9, seed=4)]
+    params = SamplingParams(max_tokens=6, temperature=0)
+    settings = dict(block_size=4, num_blocks=200, max_num_seqs=8)
+    plain = LLM(model, None, enable_prefix_caching=False, **settings).generate(
+        prompts, params, use_tqdm=False
+    )
+    llm = LLM(model, None, **settings)
+    cached = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in plain]
+    # every request after the first is served the system prompt's 10 whole blocks from the cache
+    assert llm.stats().prefix_cached_tokens == 11 * 40
+
+
+def test_static_batching_never_waits_for_a_prefix():
+    from nanolab.engine.scheduler import StaticBatchScheduler
+    from nanolab.memory.radix_cache import RadixCache
+
+    cfg = EngineConfig(max_num_batched_tokens=256, num_blocks=64, block_size=4)
+    allocator = PyBlockAllocator(cfg.num_blocks)
+    sched = StaticBatchScheduler(cfg, BlockManager(allocator, 4, RadixCache(allocator, 4)))
+    for name in "ab":
+        sched.add(_prompt_req(name, list(range(1, 13))))
+    assert ids(s.request for s in sched.schedule().scheduled) == ["a", "b"]  # one batch, as it forms
