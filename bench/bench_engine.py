@@ -167,9 +167,14 @@ def main() -> None:
         st = llm.stats()
         results[on] = t
         saved = st.prefix_cached_tokens
+        bs = llm.engine.config.block_size
+        shareable = (
+            (len(system) // bs) * bs * (len(shared) - 1)
+        )  # the system prompt's whole blocks, after the first
         print(
             f"  prefix cache {'on ' if on else 'off'}: {t:6.2f} s, {sum(outs) / t:7.1f} tokens/s, "
-            f"prefill tokens saved: {saved}, hit rate {st.prefix_hit_rate:.1%}"
+            f"prefill tokens saved: {saved} ({saved / shareable:.0%} of the {shareable} whole blocks can share), "
+            f"hit rate {st.prefix_hit_rate:.1%}"
         )
     print(f"  cache on / off throughput: {results[False] / results[True]:.2f}x")
     parallel_sampling(model, tokenizer, prompts, n=4 if args.quick else 8)
