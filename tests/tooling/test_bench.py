@@ -39,8 +39,14 @@ def test_bench_engine_quick():
         assert label in out, f"no {label!r} line in:\n{out}"
     split = re.search(r"model forward ([\d.]+)%, everything else ([\d.]+)%", out)
     assert split and abs(float(split.group(1)) + float(split.group(2)) - 100) < 0.2
-    saved = int(re.search(r"prefix cache on .*prefill tokens saved: (\d+)", out).group(1))
-    assert saved > 0, "the shared system prompt saved no prefill with the prefix cache on"
+    saved = re.search(
+        r"prefix cache on .*prefill tokens saved: (\d+) \((\d+)% of the (\d+) whole blocks", out
+    )
+    assert saved and int(saved.group(1)) > 0, (
+        "the shared system prompt saved no prefill with the prefix cache on"
+    )
+    # the shared prefix is computed once: every whole block that can be shared is served from the cache
+    assert int(saved.group(1)) == int(saved.group(3)), out
     m = re.search(r"samples identical to the separate seeded requests: (\d+)/(\d+)", out)
     assert m and m.group(1) == m.group(2), out
     computed = [int(x) for x in re.findall(r"prompt tokens computed (\d+)", out)]
@@ -64,3 +70,17 @@ def test_bench_server_quick():
     assert len(equal) == 2 and all(a == b for a, b in equal), out  # the engine in a process, then a thread
     assert "-- the engine in a process" in out and "-- the engine in a thread" in out
     assert out.count("TTFT") == 2 and out.count("ITL") == 2
+
+
+@pytest.mark.timeout(600)
+def test_bench_roofline_quick():
+    out = run_bench("bench_roofline.py")
+    assert re.search(
+        r"limits \(\d+ torch threads\): fp32 matmul [\d.]+ GFLOP/s, memory bandwidth [\d.]+ GB/s", out
+    )
+    assert re.search(r"decode, batch 1: .* of the measured bandwidth", out), out
+    assert re.search(r"decode, batch \d+: .* of the measured matmul peak", out), out
+    same = re.search(r"identical outputs (\d+) of (\d+)", out)
+    assert same and same.group(1) == same.group(2), (
+        out
+    )  # the quick model's logits are spread out: no near-ties

@@ -1,0 +1,183 @@
+"""How close nanolab's forward comes to this machine's limits, both measured in the same run.
+
+    python bench/bench_roofline.py            # a GPT-2-small-shaped model: 12 layers, 768 wide, ~89M parameters
+    python bench/bench_roofline.py --quick    # a 2-layer, 256-wide model: a smoke test
+
+The limits, measured first:
+
+- **matmul peak**: fp32 FLOP/s of ``torch.mm`` on square matrices (2048, or 512 with --quick), on every
+  thread torch has, the best of several rounds;
+- **memory bandwidth**: bytes per second copying a buffer much larger than the caches (256 MB, read
+  and written: twice its size moved per copy), the best of several rounds.
+
+Then nanolab's engine on a model of random weights (built offline, no download), decoding only (the
+prompts are short and their steps are left out):
+
+- **batch 1**: the weights are read once per token, so tokens/s x the bytes read per token (every
+  weight matrix and the output layer, fp32) is the bandwidth the decode reached, as a share of the
+  measured bandwidth;
+- **batch 64**: tokens/s x the FLOPs per token (2 per weight of every matrix the token goes through,
+  the output layer included, plus attention over the context so far) is the FLOP/s the decode reached,
+  as a share of the measured matmul peak.
+
+Last, 32 requests of 32 tokens, greedy: nanolab's `LLM` against Hugging Face transformers' ``generate`` in
+left-padded static batches of 16 on the same weights (`nanolab.model.hf.to_hf`), tokens/s and the ratio,
+and how many outputs are identical (a random model has near-ties between its top two logits, where the
+two implementations' float rounding may pick differently; those are counted, not hidden).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from nanolab import LLM, SamplingParams
+from nanolab.engine.stats import StepRecord
+from nanolab.model.config import ModelConfig
+from nanolab.model.hf import to_hf
+from nanolab.model.transformer import Transformer
+
+
+def best_of(fn, rounds: int) -> float:
+    """The shortest of ``rounds`` timed calls of ``fn`` (seconds): on a shared machine the slow ones are
+    other programs' time."""
+    fn()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def matmul_peak(n: int, rounds: int = 5) -> float:
+    """fp32 FLOP/s of an n x n matrix product."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / best_of(lambda: torch.mm(a, b), rounds)
+
+
+def memory_bandwidth(megabytes: int, rounds: int = 5) -> float:
+    """Bytes per second copying a buffer of ``megabytes`` into another (each byte read once, written once)."""
+    src = torch.ones(megabytes * 2**20 // 4)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / best_of(lambda: dst.copy_(src), rounds)
+
+
+def make_model(config: ModelConfig, seed: int) -> Transformer:
+    """Random weights, larger than the training init so that the logits are spread out."""
+    model = Transformer(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if "norm" in name and name.endswith("weight") else 0.05 * noise)
+    return model.eval()
+
+
+def matrix_weights(config: ModelConfig) -> int:
+    """Weights of the matrices one token goes through: each layer's attention and MLP, and the output layer."""
+    d, f = config.d_model, config.d_ff
+    kv = config.n_kv_heads * config.head_dim
+    attention = d * d + 2 * d * kv + d * d  # q, k, v, out
+    mlp = (3 if config.arch == "llama" else 2) * d * f
+    return config.n_layers * (attention + mlp) + d * config.vocab_size
+
+
+def decode_rate(
+    model: Transformer, batch: int, prompt_len: int, new_tokens: int, seed: int
+) -> tuple[float, float]:
+    """Tokens/s over the pure decode steps of ``batch`` requests, and the mean context length in them."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g).tolist()
+    records: list[StepRecord] = []
+    llm = LLM(
+        model, None, block_size=16, num_blocks=batch * 8 + 16, max_num_seqs=batch, listeners=[records.append]
+    )
+    llm.generate(
+        prompts, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True), use_tqdm=False
+    )
+    decode = [r for r in records if r.num_tokens == r.num_seqs == batch]
+    tokens = sum(r.num_generated for r in decode)
+    return tokens / sum(r.step_seconds for r in decode), prompt_len + new_tokens / 2
+
+
+def hf_static(hf, prompts: list[list[int]], new_tokens: int, batch: int) -> tuple[float, list[list[int]]]:
+    """Seconds and outputs of HF generate, greedy, in left-padded static batches of ``batch``."""
+    outputs = []
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i : i + batch]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.inference_mode():
+            out = hf.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+        outputs += out[:, width:].tolist()
+    return time.perf_counter() - start, outputs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a small model and workload (a smoke test)")
+    args = parser.parse_args()
+    if args.quick:
+        config = ModelConfig(arch="gpt2", vocab_size=512, n_layers=2, n_heads=4, n_kv_heads=4, d_model=256,
+                             d_ff=1024, max_seq_len=256)  # fmt: skip
+        n_mm, megabytes, big_batch, new_tokens, requests = 512, 64, 8, 8, 8
+    else:
+        config = ModelConfig(arch="gpt2", vocab_size=4096, n_layers=12, n_heads=12, n_kv_heads=12, d_model=768,
+                             d_ff=3072, max_seq_len=512)  # fmt: skip
+        n_mm, megabytes, big_batch, new_tokens, requests = 2048, 256, 64, 32, 32
+    threads = torch.get_num_threads()
+    peak = matmul_peak(n_mm)
+    bandwidth = memory_bandwidth(megabytes)
+    print(
+        f"limits ({threads} torch threads): fp32 matmul {peak / 1e9:.1f} GFLOP/s, memory bandwidth {bandwidth / 1e9:.1f} GB/s"
+    )
+
+    model = make_model(config, seed=0)
+    params = sum(p.numel() for p in model.parameters())
+    weights = matrix_weights(config)
+    print(f"model: {config.arch}, {config.n_layers} layers x {config.d_model} wide, {params / 1e6:.1f}M parameters "
+          f"({weights / 1e6:.1f}M in the matrices a token goes through)")  # fmt: skip
+
+    rates = [decode_rate(model, 1, 8, new_tokens, seed) for seed in range(3)]
+    rate1 = statistics.median(r[0] for r in rates)
+    reached = rate1 * 4 * weights
+    print(
+        f"decode, batch 1: {rate1:7.1f} tokens/s (runs: {', '.join(f'{r[0]:.1f}' for r in rates)}): "
+        f"{reached / 1e9:.1f} GB/s of weights read, {reached / bandwidth:.0%} of the measured bandwidth"
+    )
+    rates = [decode_rate(model, big_batch, 8, new_tokens, seed) for seed in range(3)]
+    rate64, ctx = statistics.median(r[0] for r in rates), rates[0][1]
+    flops = 2 * weights + 4 * config.n_layers * ctx * config.d_model  # the matrices, then q.k and p.v
+    print(
+        f"decode, batch {big_batch}: {rate64:7.1f} tokens/s (runs: {', '.join(f'{r[0]:.1f}' for r in rates)}): "
+        f"{rate64 * flops / 1e9:.1f} GFLOP/s, {rate64 * flops / peak:.0%} of the measured matmul peak"
+    )
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, config.vocab_size, (int(n),), generator=g).tolist()
+               for n in torch.randint(8, 33, (requests,), generator=g)]  # fmt: skip
+    hf = to_hf(model).eval()
+    hf_seconds, hf_out = hf_static(hf, prompts, new_tokens, 16)
+    engine = LLM(model, None, block_size=16, num_blocks=requests * 8 + 16, max_num_seqs=requests)
+    start = time.perf_counter()
+    ours = engine.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True),
+                           use_tqdm=False)  # fmt: skip
+    seconds = time.perf_counter() - start
+    same = sum(o.outputs[0].token_ids == h for o, h in zip(ours, hf_out))
+    total = requests * new_tokens
+    print(f"{requests} requests x {new_tokens} tokens, greedy: nanolab {total / seconds:.1f} tokens/s, HF static "
+          f"batches of 16 {total / hf_seconds:.1f} tokens/s: {hf_seconds / seconds:.2f}x; identical outputs "
+          f"{same} of {requests}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
