@@ -168,9 +168,8 @@ def main() -> None:
         results[on] = t
         saved = st.prefix_cached_tokens
         bs = llm.engine.config.block_size
-        shareable = (
-            (len(system) // bs) * bs * (len(shared) - 1)
-        )  # the system prompt's whole blocks, after the first
+        # what whole blocks can share: the system prompt's, for every request after the first
+        shareable = (len(system) // bs) * bs * (len(shared) - 1)
         print(
             f"  prefix cache {'on ' if on else 'off'}: {t:6.2f} s, {sum(outs) / t:7.1f} tokens/s, "
             f"prefill tokens saved: {saved} ({saved / shareable:.0%} of the {shareable} whole blocks can share), "

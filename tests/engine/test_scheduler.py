@@ -413,10 +413,15 @@ def test_importance_sorts_by_priority_then_admission():
     assert ids(sorted(rs, key=importance)) == ["c", "b", "a"]
 
 
-def scheduler(**config) -> Scheduler:
-    """A scheduler on a pool of plain blocks, no model needed (the config is given resolved)."""
+def scheduler(cls: type[Scheduler] = Scheduler, cached: bool = False, **config) -> Scheduler:
+    """A scheduler on a pool of plain blocks, no model needed (the config is given resolved); with ``cached``,
+    its block manager has nanolab's radix prefix cache."""
+    from nanolab.memory.radix_cache import RadixCache
+
     cfg = EngineConfig(**{"max_num_batched_tokens": 64, "num_blocks": 16, "block_size": 4, **config})
-    return Scheduler(cfg, BlockManager(PyBlockAllocator(cfg.num_blocks), cfg.block_size))
+    allocator = PyBlockAllocator(cfg.num_blocks)
+    cache = RadixCache(allocator, cfg.block_size) if cached else None
+    return cls(cfg, BlockManager(allocator, cfg.block_size, cache))
 
 
 def test_without_chunked_prefill_a_prompt_over_the_token_budget_is_refused():
@@ -496,13 +501,8 @@ def test_without_chunked_prefill_no_request_outgrows_the_step_budget():
 # -- shared prefixes computed once
 
 
-def _cached_scheduler(**config) -> Scheduler:
-    """A scheduler whose block manager has nanolab's radix prefix cache."""
-    from nanolab.memory.radix_cache import RadixCache
-
-    cfg = EngineConfig(**{"max_num_batched_tokens": 256, "num_blocks": 64, "block_size": 4, **config})
-    allocator = PyBlockAllocator(cfg.num_blocks)
-    return Scheduler(cfg, BlockManager(allocator, cfg.block_size, RadixCache(allocator, cfg.block_size)))
+def _cached_scheduler(cls: type[Scheduler] = Scheduler) -> Scheduler:
+    return scheduler(cls, cached=True, max_num_batched_tokens=256, num_blocks=64)
 
 
 def _prompt_req(name: str, tokens: list[int]) -> Request:
@@ -570,11 +570,8 @@ def test_shared_prefixes_are_computed_once_with_the_outputs_of_no_cache():
 
 def test_static_batching_never_waits_for_a_prefix():
     from nanolab.engine.scheduler import StaticBatchScheduler
-    from nanolab.memory.radix_cache import RadixCache
 
-    cfg = EngineConfig(max_num_batched_tokens=256, num_blocks=64, block_size=4)
-    allocator = PyBlockAllocator(cfg.num_blocks)
-    sched = StaticBatchScheduler(cfg, BlockManager(allocator, 4, RadixCache(allocator, 4)))
+    sched = _cached_scheduler(StaticBatchScheduler)
     for name in "ab":
         sched.add(_prompt_req(name, list(range(1, 13))))
     assert ids(s.request for s in sched.schedule().scheduled) == ["a", "b"]  # one batch, as it forms
