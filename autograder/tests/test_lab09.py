@@ -481,9 +481,8 @@ def learners_speculator(lab, config: SpeculativeConfig, pool, proposer=None) -> 
     def verify(draft, target):
         return expect(lab.verify_greedy(list(draft), list(target)), list, "verify_greedy(...)")
 
-    def sample(
-        draft, target_probs, draft_probs, generator
-    ):  # a generator cannot cross: the sandbox's own RNG
+    def sample(draft, target_probs, draft_probs, generator):
+        # a generator cannot cross into the sandbox: the learner's sampler draws from the sandbox's own
         return expect(
             lab.rejection_sample(list(draft), target_probs, draft_probs), list, "rejection_sample(...)"
         )
@@ -544,7 +543,7 @@ def _compare_in_engine(lab, model, tokenizer, prompts, params, settings: dict, k
 
 @pytest.mark.points(3)
 def test_your_pieces_in_the_engine_keep_the_reference_outputs(lab, rng):
-    """Check that nanolab's engine on the bundled model, speculating with your propose_ngram, verify_greedy and rollback (over the setup's KVPool as its allocator), gives the greedy outputs and acceptance of nanolab's own speculation with the same settings (small caches, so requests are preempted between speculative steps), and frees every block."""
+    """Check that nanolab's engine on the bundled model, speculating with your propose_ngram, verify_greedy and rollback (over the setup's KVPool as its allocator), gives the greedy outputs and acceptance of nanolab's own speculation with the same settings (a cache of 260 token slots for 4 requests at once, so requests are usually preempted between speculative steps), and frees every block."""
     model, tokenizer = bundled_model()
     ids = tokenizer.encode(stdlib_text(*STDLIB_FILES))
     prompts = []
