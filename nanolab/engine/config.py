@@ -29,6 +29,7 @@ from nanolab.engine.speculative import SpeculativeConfig
 from nanolab.memory.paging import cdiv
 from nanolab.model.config import ModelConfig
 from nanolab.model.kv_cache import kv_cache_bytes
+from nanolab.model.tensor_parallel import check_shardable
 
 DEFAULT_KV_MEMORY = 1 << 30  # bytes of KV pool when num_blocks is not given
 DEFAULT_CHUNKED_BUDGET = 1024  # tokens per step with chunked prefill, when not given
@@ -70,6 +71,7 @@ class EngineConfig:
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS  # which waiting request is admitted next
     aging_steps: int = 16  # with the priority policy: steps of waiting that count as one level of priority
     attention_backend: AttentionBackend = AttentionBackend.AUTO  # paged decode attention implementation
+    tensor_parallel_size: int = 1  # processes the model is split over (tensor parallelism; gloo on the CPU)
     speculative_config: SpeculativeConfig | None = (
         None  # speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4} or {"method": "draft_model", "model": ..., "num_speculative_tokens": 4}; default off
     )
@@ -107,6 +109,7 @@ class EngineConfig:
 
     def resolve(self, model: ModelConfig, dtype: torch.dtype = torch.float32) -> EngineConfig:
         """This config with every open size filled in for ``model``; checks what depends on the model."""
+        check_shardable(model, self.tensor_parallel_size)
         max_model_len = self.max_model_len or model.max_seq_len
         if max_model_len > model.max_seq_len:
             raise ValueError(

@@ -22,6 +22,7 @@ from nanolab.engine.request import Request
 from nanolab.engine.scheduler import Scheduler, SchedulerProtocol
 from nanolab.engine.speculative import DraftModelProposer, NgramProposer, Speculator
 from nanolab.engine.stats import StepListener
+from nanolab.engine.tensor_parallel import TensorParallelRunner
 from nanolab.memory.block_allocator import BlockAllocator, BlockAllocatorProtocol
 from nanolab.memory.block_manager import BlockManager
 from nanolab.memory.paged_kv_cache import PagedKVCache
@@ -59,13 +60,19 @@ class Engine(EngineCore):
         if cfg.enable_prefix_caching:
             cache = _build(prefix_cache, RadixCache, allocator, cfg.block_size)
         block_manager = BlockManager(allocator, cfg.block_size, cache)
-        kv_cache = PagedKVCache(
-            model.config, cfg.num_blocks, cfg.block_size, attention_backend=cfg.attention_backend.value
-        )
+        backend = cfg.attention_backend.value
+        if cfg.tensor_parallel_size > 1:  # this process is rank 0 and keeps its shard of the model only
+            runner: ModelRunner = TensorParallelRunner(
+                model, cfg.tensor_parallel_size, cfg.num_blocks, cfg.block_size, backend
+            )
+            self.model = runner.model
+        else:
+            kv_cache = PagedKVCache(model.config, cfg.num_blocks, cfg.block_size, attention_backend=backend)
+            runner = ModelRunner(self.model, kv_cache)
         super().__init__(
             _build(scheduler, Scheduler, cfg, block_manager),
             block_manager,
-            ModelRunner(self.model, kv_cache),
+            runner,
             tokenizer,
             cfg.max_model_len,
             listeners,
@@ -73,6 +80,17 @@ class Engine(EngineCore):
         )
         self._ids = itertools.count()
         self.prompts = PromptProcessor(tokenizer, model.config.vocab_size, cfg)
+
+    def close(self) -> None:
+        """Stop what the engine runs beside this process (tensor-parallel workers); idempotent. The
+        engine can run no further step after it."""
+        self.runner.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def kv_cache(self) -> PagedKVCache:

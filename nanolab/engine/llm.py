@@ -78,6 +78,18 @@ class LLM:
             listeners=listeners,
             speculator=speculator,
         )
+        self.model = self.engine.model  # with tensor parallelism: rank 0's shard (the rest is in workers)
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel workers, if any (`Engine.close`); idempotent. ``with LLM(...)
+        as llm:`` closes it at the end of the block."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> LLM:

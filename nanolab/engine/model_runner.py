@@ -149,10 +149,7 @@ class ModelRunner:
         logit adjustment and forking are all skipped.
         """
         t0 = time.perf_counter()
-        if blocks_to_copy:  # copy-on-write (parallel samples), before any write
-            self.kv_cache.copy_blocks(blocks_to_copy)
-        positions = self.kv_cache.prepare(batch.seqs)
-        hidden = self.model(torch.tensor(batch.token_ids, dtype=torch.long), positions, self.kv_cache)
+        hidden = self.forward(batch.token_ids, batch.seqs, blocks_to_copy)
         rows, firsts = batch.sample_rows, None
         num_drafts = getattr(batch, "num_drafts", ())  # (a lab's own BatchLayout has none)
         if any(num_drafts):  # speculation: each guess's row too, after its request's sample row
@@ -184,6 +181,19 @@ class ModelRunner:
         if firsts is None:
             return self.sample(batch.to_sample, logits, extras)
         return self._verify(batch, logits, all_logits, firsts, extras)
+
+    def forward(
+        self, token_ids: list[int], seqs: list[SeqSlice], blocks_to_copy: Sequence[tuple[int, int]] = ()
+    ) -> torch.Tensor:
+        """The model's hidden states (T, d_model) for one step's flat batch, over the paged KV cache:
+        the blocks to copy are copied first (copy-on-write), then the cache is laid out for ``seqs``."""
+        if blocks_to_copy:
+            self.kv_cache.copy_blocks(blocks_to_copy)
+        positions = self.kv_cache.prepare(seqs)
+        return self.model(torch.tensor(token_ids, dtype=torch.long), positions, self.kv_cache)
+
+    def close(self) -> None:
+        """Release what the runner holds beyond memory (a tensor-parallel runner's workers); nothing here."""
 
     def _verify(
         self,

@@ -50,8 +50,11 @@ class PagedKVCache:
         block_size: int,
         dtype: torch.dtype = torch.float32,
         attention_backend: str = "auto",
+        num_kv_heads: int | None = None,
     ) -> None:
-        shape = (num_blocks, block_size, config.n_kv_heads, config.head_dim)
+        # num_kv_heads: the KV heads this cache holds (a tensor-parallel rank's share; None: the model's)
+        num_kv_heads = config.n_kv_heads if num_kv_heads is None else num_kv_heads
+        shape = (num_blocks, block_size, num_kv_heads, config.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(config.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(config.n_layers)]
         self.block_size = block_size

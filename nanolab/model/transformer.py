@@ -29,6 +29,7 @@ from torch import nn
 from nanolab.model.attention import sdpa
 from nanolab.model.config import ModelConfig
 from nanolab.model.kv_cache import KVCacheProtocol
+from nanolab.model.tensor_parallel import TPShard, check_shardable, head_ranges, shard_state_dict
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos and sin for each token, (..., 1, head_dim) each
 
@@ -58,16 +59,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Self-attention with one fused q/k/v projection; the attention itself is the cache's job."""
+    """Self-attention with one fused q/k/v projection; the attention itself is the cache's job.
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    Split over ranks (``tp``), it holds its rank's heads: the q/k/v projection is column-parallel, the
+    output projection row-parallel, and its output is summed over the ranks (`nanolab.model.tensor_parallel`).
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPShard | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.tp = tp or TPShard()
+        heads, kv = head_ranges(config.n_heads, config.n_kv_heads, self.tp.rank, self.tp.size)
+        self.n_heads, self.n_kv_heads, self.head_dim = len(heads), len(kv), config.head_dim
         gpt2 = config.arch == "gpt2"
-        width = config.q_size + 2 * config.kv_size  # [q heads | k heads | v heads]
+        width = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim  # [q heads | k heads | v heads]
         self.qkv = nn.Linear(config.d_model, width, bias=gpt2 or config.qkv_bias)
-        self.out = nn.Linear(config.q_size, config.d_model, bias=gpt2)
+        # a row-parallel bias is added once, after the sum: rank 0 holds it
+        self.out = nn.Linear(self.n_heads * self.head_dim, config.d_model, bias=gpt2 and self.tp.rank == 0)
 
     def forward(self, x: torch.Tensor, rope: Rope | None, cache: KVCacheProtocol) -> torch.Tensor:
         # x: (T, D) in the serving forward, (B, S, D) in Transformer.logits; "..." below is T or (B, S)
@@ -78,32 +86,38 @@ class Attention(nn.Module):
             qk = apply_rope(qk, *rope)  # q and k heads rotate alike: one call for both
         q, k = qk.split((self.n_heads, self.n_kv_heads), dim=-2)  # (..., nh, hs), (..., nkv, hs)
         y = cache.attend(self.layer_idx, q, k, v)  # (..., nh, hs)
-        return self.out(y.reshape(*lead, self.n_heads * self.head_dim))
+        return self.tp.all_reduce(self.out(y.reshape(*lead, self.n_heads * self.head_dim)))
 
 
 class GeluMLP(nn.Module):
-    """GPT-2's MLP: up-projection, GELU (tanh approximation), down-projection."""
+    """GPT-2's MLP: up-projection, GELU (tanh approximation), down-projection. Split over ranks (``tp``):
+    the up-projection column-parallel, the down-projection row-parallel, the output summed over ranks."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPShard | None = None) -> None:
         super().__init__()
-        self.fc = nn.Linear(config.d_model, config.d_ff)
-        self.proj = nn.Linear(config.d_ff, config.d_model)
+        self.tp = tp or TPShard()
+        d_ff = config.d_ff // self.tp.size
+        self.fc = nn.Linear(config.d_model, d_ff)
+        self.proj = nn.Linear(d_ff, config.d_model, bias=self.tp.rank == 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        return self.tp.all_reduce(self.proj(F.gelu(self.fc(x), approximate="tanh")))
 
 
 class SwiGLU(nn.Module):
-    """Llama's MLP: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    """Llama's MLP: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul. Split over ranks
+    (``tp``): gate/up column-parallel (each rank its share of both), down row-parallel, summed over ranks."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPShard | None = None) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(config.d_model, 2 * config.d_ff, bias=False)
-        self.down = nn.Linear(config.d_ff, config.d_model, bias=False)
+        self.tp = tp or TPShard()
+        d_ff = config.d_ff // self.tp.size
+        self.gate_up = nn.Linear(config.d_model, 2 * d_ff, bias=False)
+        self.down = nn.Linear(d_ff, config.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)  # (..., d_ff) each
-        return self.down(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down(F.silu(gate) * up))
 
 
 def make_norm(config: ModelConfig) -> nn.Module:
@@ -115,12 +129,12 @@ def make_norm(config: ModelConfig) -> nn.Module:
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPShard | None = None) -> None:
         super().__init__()
         self.attn_norm = make_norm(config)
-        self.attn = Attention(config, layer_idx)
+        self.attn = Attention(config, layer_idx, tp)
         self.mlp_norm = make_norm(config)
-        self.mlp = GeluMLP(config) if config.arch == "gpt2" else SwiGLU(config)
+        self.mlp = GeluMLP(config, tp) if config.arch == "gpt2" else SwiGLU(config, tp)
 
     def forward(self, x: torch.Tensor, rope: Rope | None, cache: KVCacheProtocol) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope, cache)
@@ -135,14 +149,21 @@ class _CausalNoCache:
 
 
 class Transformer(nn.Module):
-    """Decoder-only transformer. See the module docstring for the serving contract."""
+    """Decoder-only transformer. See the module docstring for the serving contract.
 
-    def __init__(self, config: ModelConfig) -> None:
+    ``tp`` (`nanolab.model.tensor_parallel.TPShard`) makes it one rank's shard of a tensor-parallel model:
+    its attention and MLP layers hold that rank's part and sum their outputs over the ranks; the
+    embeddings, norms and LM head are whole. ``config`` stays the whole model's.
+    """
+
+    def __init__(self, config: ModelConfig, tp: TPShard | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp or TPShard()
+        check_shardable(config, self.tp.size)
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model) if config.arch == "gpt2" else None
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.layers = nn.ModuleList(Block(config, i, self.tp) for i in range(config.n_layers))
         self.norm = make_norm(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -211,22 +232,37 @@ class Transformer(nn.Module):
             x = layer(x, rope, _CausalNoCache())
         return self.lm_head(self.norm(x))  # (B, S, V)
 
+    def shard(self, tp: TPShard) -> Transformer:
+        """Rank ``tp.rank``'s shard of this (whole) model, in new tensors: what that rank of a
+        tensor-parallel engine runs."""
+        if self.tp.size != 1:
+            raise ValueError("this model is already a shard; shard the whole model")
+        state = shard_state_dict(self.config, self.state_dict(), tp.rank, tp.size)
+        if self.config.tie_embeddings:
+            state.pop("lm_head.weight", None)
+        return Transformer.from_state_dict(self.config, state, "the model", tp)
+
     def num_parameters(self) -> int:
         """Number of distinct parameters (a tied embedding counts once)."""
         return sum(p.numel() for p in self.parameters())
 
     @classmethod
     def from_state_dict(
-        cls, config: ModelConfig, state_dict: dict[str, torch.Tensor], source: str = "the state dict"
+        cls,
+        config: ModelConfig,
+        state_dict: dict[str, torch.Tensor],
+        source: str = "the state dict",
+        tp: TPShard | None = None,
     ) -> Transformer:
         """A model holding exactly these tensors (they are used as they are, not copied).
 
         ``lm_head.weight`` may be left out when the embeddings are tied. Missing, unexpected or
-        mis-shaped tensors raise `ValueError` naming the key and ``source``.
+        mis-shaped tensors raise `ValueError` naming the key and ``source``. With ``tp``, the tensors are
+        that rank's shard (`nanolab.model.tensor_parallel.shard_state_dict`).
         """
         # Random init first, then replaced: cheap at nanolab's sizes. (Building on the "meta" device
         # would skip it, but its first use imports torch's compiler stack, which takes seconds.)
-        model = cls(config)
+        model = cls(config, tp)
         expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         state_dict = dict(state_dict)
         if config.tie_embeddings:

@@ -632,6 +632,7 @@ class AsyncEngine(EngineClient):
         self._thread.join(timeout)
         if not self._thread.is_alive():  # adds that raced the stop are refused, not left waiting
             self._fail_everything("the server is shutting down")
+            self.engine.close()  # its tensor-parallel workers, if any
 
     @property
     def started(self) -> bool:

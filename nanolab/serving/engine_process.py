@@ -37,6 +37,7 @@ function, or a `functools.partial` of one (`engine_from_checkpoint`, `engine_fro
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import multiprocessing
@@ -159,8 +160,11 @@ class ProcessAsyncEngine(EngineClient):
             target=run_engine_core,
             args=(self.factory, *addresses, os.getpid(), self.torch_threads or torch.get_num_threads()),
             name="nanolab-engine-core",
-            daemon=True,  # multiprocessing also ends it when this interpreter exits
+            # Not a daemon: a daemon may start no processes, and a tensor-parallel engine starts its
+            # workers. This interpreter's exit still ends it (see _kill_at_exit).
+            daemon=False,
         )
+        atexit.register(_kill_at_exit, self.process)
         # Ctrl-C goes to the whole process group; the child must only stop when told. Blocked signals
         # are inherited through fork and exec, so it starts with SIGINT blocked, then ignores it.
         old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
@@ -277,6 +281,14 @@ class _FrontEndGone(Exception):
     pass
 
 
+def _kill_at_exit(process: multiprocessing.Process) -> None:
+    """End the engine process when this interpreter exits without `ProcessAsyncEngine.shutdown` (it runs
+    before multiprocessing's own exit handler, which would otherwise wait for it)."""
+    if process.exitcode is None:
+        process.kill()
+        process.join(5)
+
+
 def run_engine_core(
     factory: Callable[[], Engine], commands: str, outputs: str, parent: int, torch_threads: int | None = None
 ) -> None:
@@ -315,7 +327,10 @@ def run_engine_core(
             send((_FAILED, traceback.format_exc()))
             return
         send((_READY, (engine.config, engine.stats())))
-        EngineLoop(engine).run(receive, send)
+        try:
+            EngineLoop(engine).run(receive, send)
+        finally:
+            engine.close()  # its tensor-parallel workers, if any
         send(_BYE)
     except _FrontEndGone:
         pass

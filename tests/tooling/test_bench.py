@@ -84,3 +84,15 @@ def test_bench_roofline_quick():
     assert same and same.group(1) == same.group(2), (
         out
     )  # the quick model's logits are spread out: no near-ties
+
+
+def test_bench_tp_quick():
+    """The tensor-parallel bench prints both layouts' speed, the communication share and the bytes each
+    all-reduce moves, counted and computed (they must agree)."""
+    out = run_bench("bench_tp.py")
+    assert re.search(r"TP=2 / TP=1: median [\d.]+x", out), out
+    assert re.search(r"share of the driver's time in all-reduces: \d+%", out), out
+    counted = re.search(r"bytes all-reduced per token: (\d+) \(2 x \d+ layers x \d+ x 4 B = (\d+)\)", out)
+    assert counted and counted.group(1) == counted.group(2), out
+    same = re.search(r"identical outputs: (\d+)/(\d+)", out)
+    assert same and same.group(1) == same.group(2), out
