@@ -45,6 +45,7 @@ class Engine(EngineCore):
         scheduler: type | SchedulerProtocol | None = None,
         listeners: Sequence[StepListener] = (),
         speculator: Speculator | None = None,
+        shard_fn: Any = None,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -63,7 +64,7 @@ class Engine(EngineCore):
         backend = cfg.attention_backend.value
         if cfg.tensor_parallel_size > 1:  # this process is rank 0 and keeps its shard of the model only
             runner: ModelRunner = TensorParallelRunner(
-                model, cfg.tensor_parallel_size, cfg.num_blocks, cfg.block_size, backend
+                model, cfg.tensor_parallel_size, cfg.num_blocks, cfg.block_size, backend, shard_fn=shard_fn
             )
             self.model = runner.model
         else:

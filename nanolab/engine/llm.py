@@ -36,6 +36,8 @@ class LLM:
     ``chat_template`` (Jinja source or a `ChatTemplate`) replaces the checkpoint's own, for `chat`.
     ``speculator`` (a `nanolab.engine.speculative.Speculator`) replaces the one ``speculative_config``
     builds: a learner's own proposer, verification rules or rollback plug in here.
+    ``shard_fn(model, tp)`` builds each rank's shard when ``tensor_parallel_size`` > 1
+    (`nanolab.engine.tensor_parallel.TensorParallelRunner`): a learner's own sharding plugs in here.
     """
 
     def __init__(
@@ -50,6 +52,7 @@ class LLM:
         listeners: Sequence[StepListener] = (),
         chat_template: str | ChatTemplate | None = None,
         speculator: Any = None,
+        shard_fn: Any = None,
         **settings: Any,
     ) -> None:
         from nanolab.model.loading import load_chat_template, load_model, load_tokenizer
@@ -77,6 +80,7 @@ class LLM:
             scheduler,
             listeners=listeners,
             speculator=speculator,
+            shard_fn=shard_fn,
         )
         self.model = self.engine.model  # with tensor parallelism: rank 0's shard (the rest is in workers)
 

@@ -34,13 +34,14 @@ Life cycle:
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import pickle
 import signal
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -52,7 +53,7 @@ from nanolab.model.config import ModelConfig
 from nanolab.model.tensor_parallel import TPShard, check_shardable, shard_state_dict
 from nanolab.model.transformer import Transformer
 
-__all__ = ["TensorParallelError", "TensorParallelRunner", "launched_by_torchrun"]
+__all__ = ["TensorParallelError", "TensorParallelRunner", "launched_by_torchrun", "shard_model"]
 
 STARTUP_TIMEOUT_S = 120.0  # for every rank to join the group
 # A worker waits for the next step as long as the engine is idle (a server may be idle for hours), so the
@@ -125,28 +126,35 @@ def _watch_parent(parent: int) -> None:
             os._exit(1)
 
 
+def shard_model(model: Transformer, tp: TPShard) -> Transformer:
+    """Rank ``tp.rank``'s shard of the whole ``model``: the default ``shard_fn`` (`Transformer.shard`)."""
+    return model.shard(tp)
+
+
+def _shard_from_state(config: dict, state: dict[str, torch.Tensor], tp: TPShard) -> Transformer:
+    """A spawned worker's shard, from the tensors the driver sliced for it."""
+    return Transformer.from_state_dict(ModelConfig.from_dict(config), state, "the driver's shard", tp)
+
+
 def _worker_main(
     rank: int,
     size: int,
     addr: str,
     port: int,
-    config: dict,
-    state: dict[str, torch.Tensor],
+    build: Callable[[TPShard], Transformer],
     cache: dict[str, Any],
     parent: int,
     threads: int,
 ) -> None:
-    """A spawned worker: join the group, build the shard, follow the driver until it says stop."""
+    """A worker: build the shard (``build(tp)``), join the group, follow the driver until it says stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver stops the workers
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     torch.set_num_threads(threads)
     store = dist.TCPStore(addr, port, size, False, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
-    model_config = ModelConfig.from_dict(config)
-    tp = TPShard(rank, size)  # the group comes once every rank is ready
-    model = Transformer.from_state_dict(model_config, state, "the driver's shard", tp)
-    del state
-    kv_cache = PagedKVCache(model_config, num_kv_heads=model.layers[0].attn.n_kv_heads, **cache)
+    model = build(TPShard(rank, size)).eval()  # the group comes once every rank is ready
+    del build
+    kv_cache = PagedKVCache(model.config, num_kv_heads=model.layers[0].attn.n_kv_heads, **cache)
     store.add(_READY_KEY, 1)
     group = _new_group(store, rank, size, "gloo")
     _set_group(model, TPShard(rank, size, group))
@@ -173,7 +181,9 @@ class TensorParallelRunner(ModelRunner):
     ``model`` is the whole model: each rank gets its shard of it (`nanolab.model.tensor_parallel`), and the
     driver keeps only its own. Every `forward` sends the step to the workers first. ``threads`` is torch's
     intra-op threads per worker (None: this process's share, ``torch.get_num_threads() // size``, at least
-    1). Call `close` when done (the engine does).
+    1). ``shard_fn(model, tp)`` builds a rank's shard (default `shard_model`); when it is given, the
+    workers are forked rather than spawned, so it may be a function of a notebook's, and every layer's
+    ``tp`` is replaced once the rank has joined the group. Call `close` when done (the engine does).
     """
 
     def __init__(
@@ -184,29 +194,30 @@ class TensorParallelRunner(ModelRunner):
         block_size: int,
         attention_backend: str = "auto",
         threads: int | None = None,
+        shard_fn: Callable[[Transformer, TPShard], Transformer] | None = None,
     ) -> None:
         check_shardable(model.config, size)
         self.size = size
         self._workers: list[Any] = []
         self._group: Any = None
         self._failed: str | None = None
+        self._owns_world = False  # launched by torchrun: this runner initialised torch.distributed
         cache = {"num_blocks": num_blocks, "block_size": block_size, "attention_backend": attention_backend}
         threads = threads or max(1, torch.get_num_threads() // size)
         state = model.state_dict()
+        given = shard_fn is not None
+        shard_fn = shard_fn or shard_model
         if launched_by_torchrun(size):
             rank = int(os.environ["RANK"])
-            if not dist.is_initialized():
+            self._owns_world = not dist.is_initialized()
+            if self._owns_world:
                 dist.init_process_group(_backend(model.lm_head.weight.device))
             self._group = dist.new_group(list(range(size)))
-            shard = Transformer.from_state_dict(
-                model.config,
-                shard_state_dict(model.config, state, rank, size),
-                "the model",
-                TPShard(rank, size, self._group),
-            )
+            shard = shard_fn(model, TPShard(rank, size, self._group)).eval()
             kv_cache = PagedKVCache(model.config, num_kv_heads=shard.layers[0].attn.n_kv_heads, **cache)
             if rank != 0:  # this rank serves the driver, then its script ends here
                 _Worker(shard, kv_cache, self._group).serve()
+                self._destroy_groups()
                 raise SystemExit(0)
         else:
             addr = os.environ.get("NANOLAB_TP_ADDR", "127.0.0.1")
@@ -219,15 +230,20 @@ class TensorParallelRunner(ModelRunner):
                 wait_for_workers=False,
             )
             port = store.port
-            spawn = torch.multiprocessing.get_context("spawn")
+            # A shard function of the caller's may live where a fresh interpreter cannot import it (a
+            # notebook): the workers are then forked, and find it, and the whole model, in their memory.
+            ctx = torch.multiprocessing.get_context("fork" if given else "spawn")
             config = model.config.to_dict()
             try:
                 for rank in range(1, size):
-                    shard_state = shard_state_dict(model.config, state, rank, size)
-                    args = (rank, size, addr, port, config, shard_state, cache, os.getpid(), threads)
-                    proc = spawn.Process(
-                        target=_worker_main, args=args, name=f"nanolab-tp-{rank}", daemon=True
-                    )
+                    if given:
+                        build = functools.partial(shard_fn, model)
+                    else:  # each worker is sent its own slices only
+                        build = functools.partial(
+                            _shard_from_state, config, shard_state_dict(model.config, state, rank, size)
+                        )
+                    args = (rank, size, addr, port, build, cache, os.getpid(), threads)
+                    proc = ctx.Process(target=_worker_main, args=args, name=f"nanolab-tp-{rank}", daemon=True)
                     # Ctrl-C reaches every process of the terminal's group; a worker must only stop when
                     # told. It starts with SIGINT blocked (inherited through fork and exec), then ignores it.
                     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
@@ -244,12 +260,8 @@ class TensorParallelRunner(ModelRunner):
                 if isinstance(e, TensorParallelError):
                     raise
                 raise TensorParallelError(f"the tensor-parallel workers could not start: {e}") from e
-            shard = Transformer.from_state_dict(
-                model.config,
-                shard_state_dict(model.config, state, 0, size),
-                "the model",
-                TPShard(0, size, self._group),
-            )
+            shard = shard_fn(model, TPShard(0, size, self._group)).eval()
+            _set_group(shard, TPShard(0, size, self._group))
             kv_cache = PagedKVCache(model.config, num_kv_heads=shard.layers[0].attn.n_kv_heads, **cache)
         super().__init__(shard.eval(), kv_cache)
 
@@ -309,6 +321,13 @@ class TensorParallelRunner(ModelRunner):
         for proc in self._workers:
             proc.join(timeout)
 
+    def _destroy_groups(self) -> None:
+        """Under torchrun: leave the process groups (their threads must end before the interpreter does)."""
+        if dist.is_initialized():
+            dist.destroy_process_group(self._group)
+            if self._owns_world:
+                dist.destroy_process_group()
+
     def close(self) -> None:
         """Stop the workers (they finish the step they are in first). Idempotent."""
         if self._failed is None and self._group is not None:
@@ -321,4 +340,6 @@ class TensorParallelRunner(ModelRunner):
             deadline = time.monotonic() + 5.0
             for proc in self._workers:
                 proc.join(max(0.0, deadline - time.monotonic()))
+            if not self._workers:  # torchrun's ranks
+                self._destroy_groups()
         self._stop_workers()

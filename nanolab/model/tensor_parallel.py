@@ -13,8 +13,8 @@ stream whole on every rank and splits the two wide halves of each block:
 
 "Column" and "row" are Megatron's names for ``Y = X A``: a column-parallel layer splits A's columns (the
 output features: rows of a PyTorch ``Linear.weight``, which is (out, in)), a row-parallel layer A's rows
-(the input features: columns of ``Linear.weight``). A row-parallel bias is added once, after the sum:
-rank 0 holds it, the others have none.
+(the input features: columns of ``Linear.weight``). A row-parallel bias is added once, after the sum
+(every rank holds it whole).
 
 Heads: with ``n_heads`` query heads and ``n_kv_heads`` key/value heads over ``size`` ranks, rank r holds
 query heads ``r * n_heads / size ..`` and the key/value heads those read. When ``size`` divides
@@ -135,13 +135,19 @@ def row_shard(weight: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return weight[:, rank * n : (rank + 1) * n]
 
 
-def qkv_shard(t: torch.Tensor, config: ModelConfig, rank: int, size: int) -> torch.Tensor:
-    """Rank ``rank``'s rows of the fused q/k/v projection (weight or bias): its query heads' rows, then
-    its KV heads' rows of k, then of v. The fused tensor is [all q heads | all k heads | all v heads], so
-    a plain `column_shard` would hand rank 0 the q heads of every rank instead."""
-    hd = config.head_dim
-    heads, kv = head_ranges(config.n_heads, config.n_kv_heads, rank, size)
-    q, k, v = t.split((config.q_size, config.kv_size, config.kv_size))
+def qkv_shard(t: torch.Tensor, n_heads: int, n_kv_heads: int, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of the fused q/k/v projection of a model with ``n_heads`` query heads and
+    ``n_kv_heads`` KV heads (its weight or its bias): its query heads' rows, then its KV heads' rows of k,
+    then of v (`head_ranges`). The fused tensor is [all q heads | all k heads | all v heads], so a plain
+    `column_shard` would hand rank 0 the q heads of every rank instead. A new tensor.
+
+    Example:
+        >>> qkv_shard(torch.arange(8), 4, 2, 1, 2)   # head_dim 1: q heads 2-3, k head 1, v head 1
+        tensor([2, 3, 5, 7])
+    """
+    hd = t.shape[0] // (n_heads + 2 * n_kv_heads)
+    heads, kv = head_ranges(n_heads, n_kv_heads, rank, size)
+    q, k, v = t.split((n_heads * hd, n_kv_heads * hd, n_kv_heads * hd))
     q = q[heads.start * hd : heads.stop * hd]
     return torch.cat((q, k[kv.start * hd : kv.stop * hd], v[kv.start * hd : kv.stop * hd]))
 
@@ -168,16 +174,14 @@ def shard_state_dict(
         if ".layers." not in f".{key}":
             out[key] = t
         elif module == "qkv":
-            out[key] = qkv_shard(t, config, rank, size)
+            out[key] = qkv_shard(t, config.n_heads, config.n_kv_heads, rank, size)
         elif module == "fc":
             out[key] = column_shard(t, rank, size)
         elif module == "gate_up":
             out[key] = gate_up_shard(t, rank, size)
         elif module in ("out", "proj", "down"):
-            if kind == "weight":
-                out[key] = row_shard(t, rank, size)
-            elif rank == 0:  # a row-parallel bias is added once, after the sum
-                out[key] = t
+            # a row-parallel bias is whole on every rank and added once, after the sum
+            out[key] = row_shard(t, rank, size) if kind == "weight" else t
         else:  # norms
             out[key] = t
     if size == 1:

@@ -22,6 +22,9 @@ and any notion of batches or padding (the cache owns the batch layout).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,6 +61,81 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def attention_forward(
+    x: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor | None,
+    out_weight: torch.Tensor,
+    out_bias: torch.Tensor | None,
+    n_heads: int,
+    n_kv_heads: int,
+    rope: Rope | None,
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    tp: TPShard,
+) -> torch.Tensor:
+    """One attention layer's output on one rank of ``tp`` (one rank of one: the whole layer).
+
+    x (..., d_model) is the whole input, the same on every rank. The rank holds ``n_heads`` query heads and
+    ``n_kv_heads`` KV heads: ``qkv_weight`` ((n_heads + 2 * n_kv_heads) * head_dim, d_model) is its rows of
+    the fused projection, [its q heads | its k heads | its v heads], with ``qkv_bias`` to match (or None);
+    ``out_weight`` (d_model, n_heads * head_dim) is its columns of the output projection (row-parallel),
+    ``out_bias`` the whole layer's bias (or None). ``rope`` is the tokens' (cos, sin) or None;
+    ``attend(q, k, v)`` runs attention over the cache ((..., n_heads, hd) queries, (..., n_kv_heads, hd)
+    keys and values -> (..., n_heads, hd)). The output projection's partial products are summed over the
+    ranks with ``tp.all_reduce`` and the bias added once after the sum: the result (..., d_model) is the
+    same on every rank.
+    """
+    lead = x.shape[:-1]
+    head_dim = qkv_weight.shape[0] // (n_heads + 2 * n_kv_heads)
+    heads = F.linear(x, qkv_weight, qkv_bias).view(*lead, -1, head_dim)  # (..., nh + 2*nkv, hs)
+    qk, v = heads.split((n_heads + n_kv_heads, n_kv_heads), dim=-2)
+    if rope is not None:
+        qk = apply_rope(qk, *rope)  # q and k heads rotate alike: one call for both
+    q, k = qk.split((n_heads, n_kv_heads), dim=-2)  # (..., nh, hs), (..., nkv, hs)
+    y = attend(q, k, v).reshape(*lead, n_heads * head_dim)
+    return row_parallel_linear(y, out_weight, out_bias, tp)
+
+
+def mlp_forward(
+    x: torch.Tensor,
+    up_weight: torch.Tensor,
+    up_bias: torch.Tensor | None,
+    down_weight: torch.Tensor,
+    down_bias: torch.Tensor | None,
+    act: str,
+    tp: TPShard,
+) -> torch.Tensor:
+    """One MLP's output on one rank of ``tp`` (one rank of one: the whole MLP).
+
+    x (..., d_model) is the whole input. ``act`` is "gelu" (GPT-2: ``up_weight`` (f, d_model) is the rank's
+    rows of the up-projection, then GELU, tanh approximation) or "swiglu" (Llama: ``up_weight`` (2f,
+    d_model) is the rank's rows of the fused [gate | up] projection, its gate rows then its up rows; then
+    silu(gate) * up). ``down_weight`` (d_model, f) is the rank's columns of the down-projection, ``down_bias``
+    the whole layer's bias (or None). The partial products are summed over the ranks with
+    ``tp.all_reduce`` and the bias added once after the sum.
+    """
+    h = F.linear(x, up_weight, up_bias)
+    if act == "gelu":
+        h = F.gelu(h, approximate="tanh")
+    elif act == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+    else:
+        raise ValueError(f"act must be 'gelu' or 'swiglu', got {act!r}")
+    return row_parallel_linear(h, down_weight, down_bias, tp)
+
+
+def row_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPShard
+) -> torch.Tensor:
+    """A row-parallel layer: this rank's slice of the input times its columns of the weight, summed over
+    the ranks, plus the (whole) bias once."""
+    if tp.size == 1:
+        return F.linear(x, weight, bias)
+    y = tp.all_reduce(F.linear(x, weight))
+    return y if bias is None else y + bias
+
+
 class Attention(nn.Module):
     """Self-attention with one fused q/k/v projection; the attention itself is the cache's job.
 
@@ -74,19 +152,25 @@ class Attention(nn.Module):
         gpt2 = config.arch == "gpt2"
         width = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim  # [q heads | k heads | v heads]
         self.qkv = nn.Linear(config.d_model, width, bias=gpt2 or config.qkv_bias)
-        # a row-parallel bias is added once, after the sum: rank 0 holds it
-        self.out = nn.Linear(self.n_heads * self.head_dim, config.d_model, bias=gpt2 and self.tp.rank == 0)
+        self.out = nn.Linear(self.n_heads * self.head_dim, config.d_model, bias=gpt2)  # bias: the whole one's
+
+    # the function the layer runs (the same arguments as `attention_forward`); a lab swaps in its own
+    forward_fn = staticmethod(attention_forward)
 
     def forward(self, x: torch.Tensor, rope: Rope | None, cache: KVCacheProtocol) -> torch.Tensor:
         # x: (T, D) in the serving forward, (B, S, D) in Transformer.logits; "..." below is T or (B, S)
-        lead = x.shape[:-1]
-        heads = self.qkv(x).view(*lead, -1, self.head_dim)  # (..., nh + 2*nkv, hs)
-        qk, v = heads.split((self.n_heads + self.n_kv_heads, self.n_kv_heads), dim=-2)
-        if rope is not None:
-            qk = apply_rope(qk, *rope)  # q and k heads rotate alike: one call for both
-        q, k = qk.split((self.n_heads, self.n_kv_heads), dim=-2)  # (..., nh, hs), (..., nkv, hs)
-        y = cache.attend(self.layer_idx, q, k, v)  # (..., nh, hs)
-        return self.tp.all_reduce(self.out(y.reshape(*lead, self.n_heads * self.head_dim)))
+        return self.forward_fn(
+            x,
+            self.qkv.weight,
+            self.qkv.bias,
+            self.out.weight,
+            self.out.bias,
+            self.n_heads,
+            self.n_kv_heads,
+            rope,
+            functools.partial(cache.attend, self.layer_idx),
+            self.tp,
+        )
 
 
 class GeluMLP(nn.Module):
@@ -98,10 +182,14 @@ class GeluMLP(nn.Module):
         self.tp = tp or TPShard()
         d_ff = config.d_ff // self.tp.size
         self.fc = nn.Linear(config.d_model, d_ff)
-        self.proj = nn.Linear(d_ff, config.d_model, bias=self.tp.rank == 0)
+        self.proj = nn.Linear(d_ff, config.d_model)
+
+    forward_fn = staticmethod(mlp_forward)  # the same arguments as `mlp_forward`; a lab swaps in its own
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+        return self.forward_fn(
+            x, self.fc.weight, self.fc.bias, self.proj.weight, self.proj.bias, "gelu", self.tp
+        )
 
 
 class SwiGLU(nn.Module):
@@ -115,9 +203,10 @@ class SwiGLU(nn.Module):
         self.gate_up = nn.Linear(config.d_model, 2 * d_ff, bias=False)
         self.down = nn.Linear(d_ff, config.d_model, bias=False)
 
+    forward_fn = staticmethod(mlp_forward)  # the same arguments as `mlp_forward`; a lab swaps in its own
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)  # (..., d_ff) each
-        return self.tp.all_reduce(self.down(F.silu(gate) * up))
+        return self.forward_fn(x, self.gate_up.weight, None, self.down.weight, None, "swiglu", self.tp)
 
 
 def make_norm(config: ModelConfig) -> nn.Module:

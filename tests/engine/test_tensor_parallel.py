@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.engine_utils import compare_greedy, random_prompts, reference_greedy, spread_out
+from helpers.engine_utils import compare_greedy, random_prompts, reference_greedy, spread_out, tiny_model
 from helpers.hf_models import VOCAB, save_tiny_hf_model
 from helpers.live_server import alive, serve_command
 
@@ -38,7 +38,7 @@ from nanolab.model.tensor_parallel import (
     run_ranks,
     shard_state_dict,
 )
-from nanolab.model.transformer import Transformer
+from nanolab.model.transformer import Transformer, mlp_forward
 
 # ------------------------------------------------------------------------------------- the arithmetic
 
@@ -69,7 +69,7 @@ def test_shards_summed_by_all_reduce_give_the_whole_models_logits(config, sizes)
 
 
 def test_a_rank_holds_only_its_part():
-    """Shard sizes: 1/size of the heads, KV heads and MLP width; a row-parallel bias on rank 0 only."""
+    """Shard sizes: 1/size of the heads, KV heads and MLP width; a row-parallel bias whole on every rank."""
     config = ModelConfig(arch="gpt2", n_heads=4, n_kv_heads=4, d_model=64, d_ff=256)
     whole = Transformer(config)
     for rank in range(2):
@@ -78,7 +78,7 @@ def test_a_rank_holds_only_its_part():
         assert (attn.n_heads, attn.n_kv_heads) == (2, 2)
         assert attn.qkv.weight.shape == (3 * 2 * 16, 64) and attn.out.weight.shape == (64, 32)
         assert mlp.fc.weight.shape == (128, 64) and mlp.proj.weight.shape == (64, 128)
-        assert (mlp.proj.bias is not None) == (rank == 0) and (attn.out.bias is not None) == (rank == 0)
+        torch.testing.assert_close(mlp.proj.bias, whole.layers[0].mlp.proj.bias)
         assert shard.tok_emb.weight.shape == whole.tok_emb.weight.shape  # replicated
     state = whole.state_dict()
     one = shard_state_dict(config, state, 1, 2)
@@ -104,7 +104,7 @@ def test_fused_qkv_is_split_per_head_not_contiguously():
     """Rank 1's rows of a fused q/k/v weight are its heads' q, k and v rows, not the second half."""
     config = ModelConfig(n_heads=4, n_kv_heads=2, d_model=8, d_ff=8)
     w = torch.arange(config.q_size + 2 * config.kv_size, dtype=torch.float)[:, None]
-    got = qkv_shard(w, config, 1, 2)[:, 0].tolist()
+    got = qkv_shard(w, config.n_heads, config.n_kv_heads, 1, 2)[:, 0].tolist()
     assert got == [4, 5, 6, 7, 10, 11, 14, 15]  # q heads 2-3, k head 1, v head 1 (head_dim 2)
     assert column_shard(w, 1, 2)[:, 0].tolist() == list(range(8, 16))
     assert row_shard(torch.arange(8.0).view(2, 4), 1, 2).tolist() == [[2, 3], [6, 7]]
@@ -334,3 +334,31 @@ def test_serve_with_two_ranks_answers_like_one_and_ctrl_c_stops_every_process():
     assert cmd.exit_code == 0
     assert text == LLM().tokenizer.decode(want)
     assert _gone_soon(procs), "a process outlived the server"
+
+
+def _mlp_bias_on_every_rank(x, up_w, up_b, down_w, down_b, act, tp):
+    """A learner's bug: the row-parallel bias added before the sum, so once per rank."""
+    h = torch.nn.functional.gelu(torch.nn.functional.linear(x, up_w, up_b), approximate="tanh")
+    return tp.all_reduce(torch.nn.functional.linear(h, down_w, down_b))
+
+
+def _shard_with(mlp_forward):
+    def shard_fn(model, tp):
+        shard = model.shard(tp)
+        for layer in shard.layers:
+            layer.mlp.forward_fn = mlp_forward
+        return shard
+
+    return shard_fn
+
+
+def test_a_shard_function_of_ones_own_runs_in_forked_workers():
+    """``shard_fn`` (a function of this module's: the workers are forked) builds every rank's shard: nanolab's
+    own forward gives the whole model's outputs, a forward that adds the bias on each rank does not."""
+    model = tiny_model("gpt2", seed=3)  # random biases, large enough to matter
+    prompts = random_prompts(4, 96, 3, 12, seed=5)
+    want = _greedy(LLM(model), prompts, 8)
+    with LLM(model, tensor_parallel_size=2, shard_fn=_shard_with(mlp_forward)) as good:
+        assert _greedy(good, prompts, 8) == want
+    with LLM(model, tensor_parallel_size=2, shard_fn=_shard_with(_mlp_bias_on_every_rank)) as bad:
+        assert _greedy(bad, prompts, 8) != want
