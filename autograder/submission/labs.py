@@ -302,6 +302,36 @@ LABS: dict[int, LabSpec] = {
         # carries arrays across.
         preload=("torch", "numpy"),
     ),
+    10: LabSpec(
+        number=10,
+        name="tensor-parallel",
+        title="Lab 10: Tensor parallelism",
+        notebook="lab10_tensor_parallel.ipynb",
+        setup_cells=("setup",),
+        graded_cells=MappingProxyType(
+            {
+                "split-linear": ("column_shard", "row_shard"),
+                "heads": ("head_ranges",),
+                "fused": ("qkv_shard", "gate_up_shard"),
+                "mlp": ("mlp_forward",),
+                "attention": ("attention_forward",),
+            }
+        ),
+        blocked_modules=MappingProxyType(
+            {
+                "nanolab": _OWN_CODE,
+                "autograder": "graded code may not use the grader",
+                "vllm": "your tensor parallelism must be your own",
+                "sglang": "your tensor parallelism must be your own",
+                "megatron": "your tensor parallelism must be your own",
+                "transformers": "your tensor parallelism must be your own",
+            }
+        ),
+        # The models run in the grader, which cuts their weights with the learner's functions and runs each
+        # layer's sharded attention and MLP in the sandbox: every rank a thread of the setup's run_ranks,
+        # joined by its LocalGroup. torch is preloaded because importing it maps a lot of address space.
+        preload=("torch", "numpy"),
+    ),
 }
 
 
