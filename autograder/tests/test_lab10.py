@@ -100,7 +100,7 @@ def test_column_and_row_shards_match_the_reference(lab, rng):
 @pytest.mark.points(1)
 def test_uneven_cuts_are_refused(lab, rng):
     """Check that column_shard and row_shard raise ValueError when the number of ranks does not divide the dimension they cut."""
-    for out, inp, size in [(6, 8, 4), (10, 4, 3), (7, 7, 2), (3, 9, 6)]:
+    for out, inp, size in [(6, 8, 4), (10, 4, 3), (7, 7, 2), (3, 9, 6), (6, 8, 3), (8, 6, 3)]:
         w = torch.randn(out, inp)
         if out % size:
             expect_value_error(
@@ -151,7 +151,7 @@ def test_head_ranges_match_the_reference(lab, rng):
                 if replicated
                 else ""
             )
-    for args in [(6, 6, 0, 4), (8, 4, 0, 3), (6, 3, 0, 2), (8, 2, 2, 2), (8, 2, -1, 2), (12, 8, 0, 4)]:
+    for args in [(6, 6, 0, 4), (8, 4, 0, 3), (6, 3, 0, 2), (8, 2, 2, 2), (8, 2, -1, 2), (12, 8, 0, 4), (6, 2, 0, 4)]:
         expect_value_error(lambda a=args: lab.head_ranges(*a), f"head_ranges{args} should raise ValueError")
 
 
