@@ -151,7 +151,15 @@ def test_head_ranges_match_the_reference(lab, rng):
                 if replicated
                 else ""
             )
-    for args in [(6, 6, 0, 4), (8, 4, 0, 3), (6, 3, 0, 2), (8, 2, 2, 2), (8, 2, -1, 2), (12, 8, 0, 4), (6, 2, 0, 4)]:
+    for args in [
+        (6, 6, 0, 4),
+        (8, 4, 0, 3),
+        (6, 3, 0, 2),
+        (8, 2, 2, 2),
+        (8, 2, -1, 2),
+        (12, 8, 0, 4),
+        (6, 2, 0, 4),
+    ]:
         expect_value_error(lambda a=args: lab.head_ranges(*a), f"head_ranges{args} should raise ValueError")
 
 
