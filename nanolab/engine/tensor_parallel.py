@@ -12,9 +12,10 @@ The driver is the engine's own process: it keeps the scheduler, the block manage
 is rank 0 of the model (`TensorParallelRunner` is a `ModelRunner` whose `forward` first broadcasts the step).
 Each worker holds its rank's shard of the weights and a paged KV cache with its rank's KV heads, laid out by
 the same block tables, so a block id means the same tokens on every rank. The model's layers sum their
-partial outputs with ``torch.distributed`` all-reduces (`nanolab.model.tensor_parallel`): gloo on the CPU,
-NCCL on CUDA. The hidden states after the last layer are whole on every rank; only the driver computes
-logits.
+partial outputs with ``torch.distributed`` all-reduces (`nanolab.model.tensor_parallel`) over gloo, since
+the engine runs on the CPU (a group for CUDA tensors would be NCCL's: ``_new_group`` takes either, and
+under torchrun the backend follows the model's device). The hidden states after the last layer are whole
+on every rank; only the driver computes logits.
 
 Life cycle:
 
