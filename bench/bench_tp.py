@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from nanolab import LLM, SamplingParams
+from nanolab.engine.tensor_parallel import set_group
 from nanolab.model.config import ModelConfig
 from nanolab.model.loading import load_model
 from nanolab.model.tensor_parallel import TPShard
@@ -44,12 +45,13 @@ class TimedGroup:
 
     def _timed(self, kind: str, tensors: list[torch.Tensor], *args: Any) -> Any:
         start = time.perf_counter()
-        getattr(self.group, kind)(tensors, *args).wait()
+        work = getattr(self.group, kind)(tensors, *args)
+        work.wait()
         self.seconds[kind] += time.perf_counter() - start
         self.calls[kind] += 1
         if kind == "allreduce":
             self.bytes += sum(t.nbytes for t in tensors)
-        return _Done()
+        return work  # done: the caller's wait() returns at once
 
     def allreduce(self, tensors: list[torch.Tensor], *args: Any) -> Any:
         return self._timed("allreduce", tensors, *args)
@@ -58,20 +60,12 @@ class TimedGroup:
         return self._timed("broadcast", tensors, *args)
 
 
-class _Done:
-    def wait(self) -> bool:
-        return True
-
-
 def timed(llm: LLM) -> TimedGroup:
     """Wrap the driver's process group (every layer's and the runner's) in a `TimedGroup`."""
     runner = llm.engine.runner
     group = TimedGroup(runner._group)
     runner._group = group
-    tp = TPShard(0, runner.size, group)
-    runner.model.tp = tp
-    for layer in runner.model.layers:
-        layer.attn.tp = layer.mlp.tp = tp
+    set_group(runner.model, TPShard(0, runner.size, group))
     return group
 
 

@@ -54,7 +54,7 @@ from nanolab.model.config import ModelConfig
 from nanolab.model.tensor_parallel import TPShard, check_shardable, shard_state_dict
 from nanolab.model.transformer import Transformer
 
-__all__ = ["TensorParallelError", "TensorParallelRunner", "launched_by_torchrun", "shard_model"]
+__all__ = ["TensorParallelError", "TensorParallelRunner", "launched_by_torchrun", "set_group", "shard_model"]
 
 STARTUP_TIMEOUT_S = 120.0  # for every rank to join the group
 # A worker waits for the next step as long as the engine is idle (a server may be idle for hours), so the
@@ -158,11 +158,11 @@ def _worker_main(
     kv_cache = PagedKVCache(model.config, num_kv_heads=model.layers[0].attn.n_kv_heads, **cache)
     store.add(_READY_KEY, 1)
     group = _new_group(store, rank, size, "gloo")
-    _set_group(model, TPShard(rank, size, group))
+    set_group(model, TPShard(rank, size, group))
     _Worker(model, kv_cache, group).serve()
 
 
-def _set_group(model: Transformer, tp: TPShard) -> None:
+def set_group(model: Transformer, tp: TPShard) -> None:
     """Point every layer of ``model`` at ``tp`` (the same rank, now with its process group)."""
     model.tp = tp
     for layer in model.layers:
@@ -262,7 +262,7 @@ class TensorParallelRunner(ModelRunner):
                     raise
                 raise TensorParallelError(f"the tensor-parallel workers could not start: {e}") from e
             shard = shard_fn(model, TPShard(0, size, self._group)).eval()
-            _set_group(shard, TPShard(0, size, self._group))
+            set_group(shard, TPShard(0, size, self._group))
             kv_cache = PagedKVCache(model.config, num_kv_heads=shard.layers[0].attn.n_kv_heads, **cache)
         super().__init__(shard.eval(), kv_cache)
 
