@@ -32,6 +32,9 @@ The contract:
   "FINISHED")``, which is an attribute as a handle even where it would cross as data). A test that drives
   the learner's object from here, rather than through a helper of the notebook, judges only decisions that
   object made.
+- ``lab.run(calls)`` sends a `Calls` list (calls, attribute reads and sets on the notebook's objects,
+  each able to use an earlier one's result) in one message and runs it there in order: a speed test
+  drives the graded object itself without a round trip per call.
 - ``lab.time_limit(s)`` gives the calls in a block another wall-clock limit; ``lab.cpu_seconds()`` is
   the CPU time the learner's processes have used, read by the grader itself, which is what a speed
   budget should measure (against the reference's ``time.thread_time()``): neither depends on how
@@ -61,11 +64,12 @@ from typing import Any
 import pytest
 
 from autograder.grading.session import SESSION_KEY, Session
-from autograder.sandbox.remote import Remote, RemoteError
+from autograder.sandbox.remote import Later, Remote, RemoteError, identity
 
 # The fixtures are not imported: a test asks for them by name.
 __all__ = [
     "VISIBILITIES",
+    "Calls",
     "ExceptionCatcher",
     "Learner",
     "Remote",
@@ -74,6 +78,7 @@ __all__ = [
     "bundled_model",
     "expect",
     "expect_value_error",
+    "identity",
     "spread_out",
     "tiny_hf_model",
     "stdlib_text",
@@ -109,6 +114,46 @@ class ExceptionCatcher:
         return context.exception
 
 
+class Calls:
+    """Calls on the learner's objects, made from here and sent to the sandbox as one message (`Learner.run`).
+
+    A speed test drives the graded object itself this way, so what it times is that object's work and not a
+    helper of the notebook (which a graded cell could rewrite in place), without paying a round trip per
+    call. Each method returns a `Later` standing for the step's result, usable as a later step's target or
+    argument::
+
+        calls = Calls()
+        req = calls.call(lab_request_class, "r0", [1, 2, 3], keep=False)
+        calls.call(add, req)          # add: a handle to scheduler.add (lab.ref(scheduler, "add"))
+        results = lab.run(calls)      # the kept steps' results, in order; a raised one as a RemoteError
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[tuple] = []
+        self.keep: list[int] = []
+
+    def _step(self, step: tuple, keep: bool) -> Later:
+        self.steps.append(step)
+        if keep:
+            self.keep.append(len(self.steps) - 1)
+        return Later(len(self.steps) - 1)
+
+    def call(self, function: Remote | Later, *args: Any, keep: bool = True, **kwargs: Any) -> Later:
+        """``function(*args, **kwargs)`` in the sandbox."""
+        return self._step(("call", function, list(args), dict(kwargs)), keep)
+
+    def get(self, obj: Remote | Later, name: str, keep: bool = True) -> Later:
+        """``obj.name`` in the sandbox."""
+        return self._step(("get", obj, name, None), keep)
+
+    def set(self, obj: Remote | Later, name: str, value: Any) -> None:
+        """``obj.name = value`` in the sandbox (the engine's part, as `Learner.set`)."""
+        self._step(("set", obj, name, value), False)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+
 class Learner:
     """The submission's notebook namespace as a hidden test sees it: ``lab.<name>``."""
 
@@ -135,6 +180,11 @@ class Learner:
     def ref(self, obj: Remote, name: str) -> Remote:
         """``obj.name`` as a handle, also where it would cross as data (see the module docstring)."""
         return self._session.ready().ref(obj, name)
+
+    def run(self, calls: Calls) -> list[Any]:
+        """Run ``calls`` in the learner's process in one round trip; the kept steps' results in order (data or
+        handles), a step that raised as its `RemoteError` (returned, not raised)."""
+        return self._session.ready().batch(calls.steps, calls.keep)
 
     def time_limit(self, seconds: float) -> AbstractContextManager[None]:
         """``with lab.time_limit(s):`` gives each call inside the block ``s`` seconds of wall clock

@@ -36,7 +36,7 @@ from typing import Any
 from autograder.sandbox import cgroups, isolation, proctree
 from autograder.sandbox.cleanup import remove_tree
 from autograder.sandbox.limits import DEFAULT_MEMORY_MB, Limits
-from autograder.sandbox.remote import Remote, RemoteError, SandboxFailure
+from autograder.sandbox.remote import Later, Remote, RemoteError, SandboxFailure
 from autograder.sandbox.runtime import codec
 
 __all__ = ["Sandbox"]
@@ -250,16 +250,54 @@ class Sandbox:
         """The object behind ``target`` sent back as plain data (as a handle if it is not data)."""
         return self._request({"op": "value", "target": self._handle(target)}, timeout)
 
-    def _handle(self, target: Remote | None) -> dict | None:
+    def batch(self, steps: list[tuple], keep: list[int], timeout: float | None = None) -> list[Any]:
+        """Run ``steps`` in the sandbox in order, in one round trip (see `autograder.sandbox.runtime.worker`):
+        each ``(kind, target, a, b)``, where a target or an argument may be a `Later` (an earlier step's
+        result). Returns, for each index in ``keep``, that step's result (data or a handle), or the
+        `RemoteError` it raised."""
+        message = {
+            "op": "batch",
+            "steps": [
+                [kind, self._handle(target), self._encode(a), self._encode(b)] for kind, target, a, b in steps
+            ],
+            "keep": list(keep),
+        }
+        reply = self._request(message, timeout)
+        shape = (
+            [e[0] if type(e) is list and len(e) == 3 else None for e in reply]
+            if type(reply) is list
+            else None
+        )
+        if shape != list(keep):
+            self._kill()
+            raise SandboxFailure("the submission's process answered a batch of calls with something else")
+        results: list[Any] = []
+        for _, ok, value in reply:
+            if ok is True:
+                results.append(value)
+            else:
+                error = value if type(value) is dict else {}
+                results.append(
+                    RemoteError(
+                        str(error.get("type", "Error"))[:200],
+                        str(error.get("message", "")),
+                        str(error.get("traceback", "")),
+                    )
+                )
+        return results
+
+    def _handle(self, target: Remote | Later | None) -> dict | None:
         if target is None:
             return None
+        if isinstance(target, Later):
+            return {"$h": -1 - target.index}
         if target._sandbox is not self or target._generation != self.generation:
             raise SandboxFailure("this object belonged to a sandbox that has since been restarted")
         return {"$h": target._tag["$h"]}
 
     def _encode(self, value: Any) -> Any:
         def handle(obj: Any) -> dict:
-            if isinstance(obj, Remote):
+            if isinstance(obj, (Remote, Later)):
                 return self._handle(obj)
             raise codec.CodecError(f"cannot pass a {type(obj).__name__} to the submission")
 

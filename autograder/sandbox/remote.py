@@ -27,6 +27,25 @@ class RemoteError(Exception):
         self.traceback = traceback
 
 
+class Later:
+    """The result of an earlier call of the same `Sandbox.run` batch, used as a target or an argument
+    before it exists; it crosses as a handle the sandbox resolves to that result."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"<result {self.index} of the batch>"
+
+
+def identity(remote: Remote) -> int:
+    """The same number for every handle to one sandbox object (while that process runs), so a test can
+    tell which of the objects it made a call handed back."""
+    return remote._tag["$h"]
+
+
 class Host(Protocol):
     """The process a `Remote`'s object lives in (`autograder.sandbox.process.Sandbox`).
 

@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 from autograder.grading.grade import DEFAULT_TESTS_DIR, GradeOptions, grade
 from autograder.sandbox.limits import Limits
 from autograder.sandbox.process import Sandbox
-from autograder.sandbox.remote import Remote, RemoteError, SandboxFailure
+from autograder.sandbox.remote import Later, Remote, RemoteError, SandboxFailure, identity
 from autograder.sandbox.runtime import codec
 from autograder.submission.notebook import SubmissionError, read_submission
+from autograder.testing import Calls
 
 ROOT = Path(__file__).resolve().parents[2]
 SOLUTION = ROOT / "solutions" / "lab01_tokenizer.ipynb"
@@ -277,6 +278,50 @@ def bump(table):
         table = sb.hold({"n": 1})
         sb.get(None, "bump")(table)
         assert sb.value(table) == {"n": 2}
+
+
+def test_a_batch_of_calls_runs_in_order_in_one_round_trip_and_reports_each_failure():
+    source = """
+class Stack:
+    def __init__(self):
+        self.items = []
+    def push(self, x):
+        self.items.append(x)
+        return len(self.items)
+    def pop(self):
+        return self.items.pop()
+"""
+    with Sandbox(
+        [{"id": "c", "source": source}], {"c": ["Stack"]}, Limits(call_timeout_s=5, load_timeout_s=10)
+    ) as sb:
+        sb.start()
+        calls = Calls()
+        stack = calls.call(sb.get(None, "Stack"), keep=False)
+        push = calls.get(stack, "push", keep=False)
+        for i in range(3):
+            calls.call(push, [i, {"k": (i,)}])
+        calls.call(calls.get(stack, "pop", keep=False))
+        calls.set(stack, "items", [])
+        calls.call(calls.get(stack, "pop", keep=False))  # raises: the next steps still run
+        calls.call(calls.get(stack, "nothing"))  # raises, and the next step uses its result
+        calls.call(push, "last")
+        calls.get(stack, "items")
+        calls.get(stack, "push")  # a method comes back as a handle
+        before = sb._next_id
+        got = sb.batch(calls.steps, calls.keep)
+        assert sb._next_id == before + 1, "one message for the whole batch"
+        assert len(got) == len(calls.keep) == 10
+        assert got[:4] == [1, 2, 3, [2, {"k": (2,)}]]
+        assert isinstance(got[4], RemoteError) and got[4].type_name == "IndexError"
+        assert isinstance(got[5], RemoteError) and got[5].type_name == "AttributeError"
+        assert isinstance(got[6], RemoteError) and "raised" in got[6].message
+        assert got[7] == 1 and got[8] == ["last"] and isinstance(got[9], Remote)
+        assert identity(got[9]) != identity(sb.get(None, "Stack"))
+        assert identity(sb.ref(sb.get(None, "Stack"), "__init__")) == identity(
+            sb.ref(sb.get(None, "Stack"), "__init__")
+        )
+        [missing] = sb.batch([("call", Later(5), [], {})], [0])  # a step that does not exist
+        assert isinstance(missing, RemoteError) and "unknown object handle" in missing.message
 
 
 def test_a_graded_cell_that_binds_a_setup_name_again_changes_neither_the_setup_nor_what_the_grader_gets():

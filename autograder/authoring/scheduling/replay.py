@@ -5,11 +5,13 @@ records made comparable.
 
 from __future__ import annotations
 
-from autograder.authoring.testing import Remote, RemoteError, expect
+from collections.abc import Callable
+
+from autograder.authoring.testing import Calls, Remote, RemoteError, expect, identity
 from labkit.lab04 import replay_schedule  # the notebook's own replay (its setup cell's source)
 from nanolab import PyBlockAllocator
 from nanolab.engine.config import EngineConfig
-from nanolab.engine.request import Request, RequestStatus
+from nanolab.engine.request import FinishReason, Request, RequestStatus
 from nanolab.engine.scheduler import Scheduler
 from nanolab.memory.block_manager import BlockManager
 from nanolab.model.sampling import SamplingParams
@@ -123,6 +125,95 @@ def learner_replay(lab, cfg: dict, events: list[tuple]) -> tuple[list, Remote, R
             record = ("error", "KeyError", str(e))
         records.append(record)
     return records, scheduler, allocator
+
+
+def driven_calls(lab, scheduler, cfg: dict, events: list[tuple]) -> tuple[Calls, Callable[[list], list]]:
+    """The whole of ``events`` ("add" and "step" only) as one `Calls` list that drives the learner's Scheduler
+    from here, for a speed test: the notebook's ``replay_schedule`` is not in the way, and there is no round
+    trip per call. The engine's part after each step (tokens computed, a token sampled, a request finished)
+    is nanolab's on the same events, so it is the right one exactly when the Scheduler decided as nanolab's
+    did, which the records then show. Returns the calls and a function turning their results into
+    ``replay_schedule``'s records."""
+    assert all(e[0] in ("add", "step") for e in events), "driven_calls plays adds and steps only"
+    make, add, schedule, finish = (
+        lab.Request, lab.ref(scheduler, "add"), lab.ref(scheduler, "schedule"), lab.ref(scheduler, "finish")
+    )  # fmt: skip
+    finished, length = lab.ref(lab.RequestStatus, "FINISHED"), lab.ref(lab.FinishReason, "LENGTH")
+    reference = reference_scheduler(cfg)
+    calls, requests, plan = Calls(), {}, []
+    live: dict = {}
+    for event in events:
+        if event[0] == "add":
+            rid, prompt_len, output_len, priority, arrival = event[1:]
+            requests[rid] = calls.call(make, rid, [1] * prompt_len, priority, arrival)
+            plan.append(("add", rid, calls.call(add, requests[rid])))
+            try:
+                reference.add(req := reference_request(rid, prompt_len, priority, arrival))
+                live[rid] = (req, output_len)
+            except ValueError:
+                pass
+            continue
+        out = reference.schedule()
+        output = calls.call(schedule)
+        results = (output, calls.get(output, "scheduled"), calls.get(output, "preempted"))
+        ids = [req.request_id for req, _ in out.scheduled]
+        tables = [calls.get(requests[rid], "block_table") for rid in ids]
+        plan.append(("step", results, ids, tables))
+        for req, n in out.scheduled:  # replay_schedule's engine part, on both schedulers
+            req.num_computed_tokens += n
+            calls.set(requests[req.request_id], "num_computed_tokens", req.num_computed_tokens)
+            if req.num_computed_tokens == req.num_tokens:
+                req.output_token_ids.append(0)
+                outputs = calls.get(requests[req.request_id], "output_token_ids", keep=False)
+                calls.call(calls.get(outputs, "append", keep=False), 0, keep=False)
+                if len(req.output_token_ids) >= live[req.request_id][1]:
+                    reference.finish(req)
+                    req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.LENGTH
+                    calls.call(finish, requests[req.request_id], keep=False)
+                    calls.set(requests[req.request_id], "status", finished)
+                    calls.set(requests[req.request_id], "finish_reason", length)
+                    del live[req.request_id]
+
+    def records(results: list) -> list:
+        got = dict(zip(calls.keep, results))
+        rid_of = {
+            identity(v): rid for rid, ref in requests.items() if isinstance(v := got[ref.index], Remote)
+        }
+
+        def rid(handle) -> str:
+            return rid_of.get(identity(handle), "?") if isinstance(handle, Remote) else "?"
+
+        made = []
+        for entry in plan:
+            if entry[0] == "add":
+                value = got[entry[2].index]
+                made.append(
+                    ("error", value.type_name, value.message) if isinstance(value, RemoteError) else ("ok",)
+                )
+                continue
+            _, results, ids, tables = entry
+            first, scheduled, preempted = (got[r.index] for r in results)
+            if isinstance(first, RemoteError):
+                made.append(("error", first.type_name, first.message))
+                continue
+            scheduled = expect(scheduled, (list, tuple), "SchedulerOutput.scheduled")
+            pairs = [expect(s, tuple, "each entry of SchedulerOutput.scheduled") for s in scheduled]
+            batch = {rid(p[0]): p[1] if len(p) > 1 else None for p in pairs}
+            table_of = dict(zip(ids, (got[t.index] for t in tables)))
+            made.append(
+                (
+                    "step",
+                    batch,
+                    [rid(r) for r in expect(preempted, (list, tuple), "SchedulerOutput.preempted")],
+                    {
+                        r: list(table_of[r]) if isinstance(table_of.get(r), (list, tuple)) else None
+                        for r in batch
+                    },
+                )
+            )
+        return made
+
+    return calls, records
 
 
 def reference_request(rid: str, prompt_len: int, priority: int, arrival: float) -> Request:

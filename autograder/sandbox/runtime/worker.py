@@ -31,7 +31,13 @@ Requests (one JSON object each, see `autograder.sandbox.runtime.codec` for frami
     {"op": "set", "target": handle, "name": str, "value": ...}              setattr (the engine's part)
     {"op": "ref", "target": handle, "name": str}                            an attribute, as a handle
     {"op": "value", "target": handle}                                       a handle's object as data
+    {"op": "batch", "steps": [[kind, target, a, b], ...], "keep": [i, ...]}  calls in order (below)
     {"op": "ping"}
+
+A batch runs its steps in order: ``["call", target, args, kwargs]``, ``["get", target, name, null]`` or
+``["set", target, name, value]``. A handle with a negative id, ``-1 - i``, stands for step ``i``'s result, so
+one message can call a method of an object an earlier step returned. A step that raises is recorded and the
+next one runs. The reply lists ``[i, ok, value or error]`` for each step in ``keep``.
 
 Replies: ``{"ok": true, "value": ..., "id": ...}`` or ``{"ok": false, "error": {"type", "message",
 "traceback"}, "id": ...}``. The first message, sent unasked, says what confinement took effect.
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import builtins
 import codeop
+import gc
 import json
 import linecache
 import os
@@ -54,6 +61,8 @@ from autograder.sandbox.runtime import codec
 from autograder.sandbox.runtime.confine import apply_limits, block_imports, confine, die_with_parent
 
 CELL_PREFIX = "<cell "
+_SCALARS = (int, float, str, bool, type(None))  # JSON values that decode to themselves
+_NO_KWARGS = {"$d": []}
 _STDLIB = sysconfig.get_paths()["stdlib"]
 
 
@@ -72,14 +81,21 @@ class Worker:
         # Like IPython: a cell's `from __future__ import ...` holds for the cells after it, and the
         # worker's own future imports do not leak into the submission's code.
         self.compile = codeop.Compile()
+        self.results: list[tuple[bool, Any]] | None = None  # the steps run so far of the batch in progress
 
     def handle(self, obj: Any) -> dict:
         self.handles[id(obj)] = obj
         return {"$h": id(obj), "type": type(obj).__name__, "callable": callable(obj)}
 
     def resolve(self, tag: dict) -> Any:
+        key = tag["$h"]
+        if key < 0 and self.results is not None and -1 - key < len(self.results):
+            ok, value = self.results[-1 - key]
+            if not ok:
+                raise LookupError(f"step {-1 - key} of this batch, whose result this uses, raised")
+            return value
         try:
-            return self.handles[tag["$h"]]
+            return self.handles[key]
         except KeyError:
             raise LookupError("unknown object handle") from None
 
@@ -127,9 +143,48 @@ class Worker:
             return self.namespace[name]
         return getattr(self.decode(target), name)
 
+    def quick(self, data: Any) -> Any:
+        """`decode`, with the common cases of a batch (a handle, a number) taken without building a decoder."""
+        if type(data) in _SCALARS:
+            return data
+        if type(data) is dict and len(data) == 1 and type(data.get("$h")) is int:
+            return self.resolve(data)
+        return self.decode(data)
+
     def call(self, target: Any, args: list, kwargs: dict) -> Any:
         fn = self.decode(target)
         return fn(*self.decode(args), **self.decode(kwargs))
+
+    def batch(self, steps: list, keep: list) -> list:
+        """Run the steps in order (see the module docstring); the kept ones' ``[i, ok, result or error]``."""
+        self.results = results = []
+        kept, wanted = [], set(keep)
+        try:
+            for i, (kind, target, a, b) in enumerate(steps):
+                try:
+                    if kind == "call":
+                        fn = self.quick(target)
+                        args = (
+                            a if type(a) is list and all(type(x) in _SCALARS for x in a) else self.decode(a)
+                        )
+                        value = fn(*args, **self.decode(b)) if b != _NO_KWARGS else fn(*args)
+                    elif kind == "get":
+                        value = self.get(target, a) if target is None else getattr(self.quick(target), a)
+                    elif kind == "set":
+                        value = setattr(self.quick(target), a, self.quick(b))
+                    else:
+                        raise ValueError(f"unknown step {kind!r}")
+                    results.append((True, value))
+                    if i in wanted:  # as data now: a later step may change the object
+                        kept.append([i, True, self.encode(value)])
+                except BaseException as e:  # noqa: B036 - as in `serve`: the step's failure only
+                    if len(results) == i:
+                        results.append((False, describe(e)))
+                    if i in wanted:
+                        kept.append([i, False, self.encode(describe(e))])
+            return kept
+        finally:
+            self.results = None
 
 
 def _code_file(obj: Any) -> str | None:
@@ -194,10 +249,15 @@ def describe(e: BaseException) -> dict:
 def serve(read_fd: int, write_fd: int) -> None:
     worker = Worker()
     while True:
+        collecting = gc.isenabled()
+        gc.disable()  # a large message is many objects and no cycles: parsed without collections
         try:
             request = codec.read_message(read_fd)
         except (EOFError, codec.CodecError):
             return
+        finally:
+            if collecting:
+                gc.enable()
         op = request.get("op")
         try:
             if op == "load":
@@ -215,6 +275,12 @@ def serve(read_fd: int, write_fd: int) -> None:
                 value = worker.handle(worker.decode(request["value"]))
             elif op == "value":
                 value = worker.encode(worker.decode(request["target"]))
+            elif op == "batch":
+                gc.freeze()  # the batch's own steps are never garbage: collections skip them
+                try:
+                    value = worker.batch(request["steps"], request["keep"])
+                finally:
+                    gc.unfreeze()
             elif op == "ping":
                 value = "pong"
             else:
