@@ -2,9 +2,10 @@
 hidden test aimed at it (and keeps the others), and tampered submissions earn nothing.
 
 The fixture notebooks are made from solutions/ and labs/ by text substitution and graded in one batch
-(``jobs=2``) against a copy of the hidden tests. Engines are compared through the notebook's ``run_engine``,
-the lab's setup code: the grader runs the lab's own, so a setup cell edited to drive a correct engine of its
-own (and never the learner's) earns nothing, nor does a graded cell that binds ``run_engine`` again.
+(``jobs=2``) against a copy of the hidden tests. The hidden tests drive the learner's Engine from the grader
+(the notebook's ``run_engine`` is the reference's driver there), so a setup cell edited to drive a correct
+engine of its own (and never the learner's) earns nothing, nor does a graded cell that binds ``run_engine``
+again; one that rewrites it in place is `test_speed_forgery.py`'s.
 """
 
 from __future__ import annotations

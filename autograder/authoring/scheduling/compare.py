@@ -163,10 +163,12 @@ def check_state(
 
 
 def check_speed(lab, cfg: dict, events: list[tuple], what: str) -> None:
-    """The learner's replay of ``events`` is nanolab's, and takes at most 20x the CPU time of nanolab's
-    scheduler (the best of 3 runs) + 0.5 s. Each side is timed by its own CPU time (the reference's thread
-    here, the learner's processes as the grader reads them), so a busy machine does not move the budget.
-    ``what`` says what the workload is, for the message."""
+    """The learner's Scheduler, driven from here through ``events`` (all of them in one message,
+    `driven_calls`), decides as nanolab's and takes at most 20x the CPU time of nanolab's scheduler in the
+    notebook's replay (the best of 3 runs) + 0.5 s, its final state read back inside the timed window. Each
+    side is timed by its own CPU time (the reference's thread here, the learner's processes as the grader
+    reads them), so a busy machine does not move the budget. ``what`` says what the workload is, for the
+    message."""
     # Only a Scheduler that first works on a short workload may earn the speed points.
     head = [e for e in events if e[0] == "add"][:12] + [("step",)] * 5
     compare_with_reference(lab, cfg, head, f"before {what}, 12 of its requests and 5 steps")

@@ -1,6 +1,6 @@
 """Learner's and nanolab's schedulers side by side: built from one settings dict, a workload replayed
-around each (``replay_schedule``'s engine part; for the learner's, played here through its handle), and their
-records made comparable.
+around each (``replay_schedule``'s engine part; for the learner's, played here through its handle, call by
+call or, for the speed test, as one message of calls), and their records made comparable.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ def learner_replay(lab, cfg: dict, events: list[tuple]) -> tuple[list, Remote, R
     """replay_schedule's records for the learner's Scheduler, made here rather than by the notebook's helper
     (which runs in the learner's process, where a graded cell could rewrite it): the grader plays the engine's
     part, calling the Scheduler through its handle and keeping the notebook's requests' tokens and states
-    itself (`lab.set`), so every decision recorded is one the Scheduler itself made. A round trip per read, so
-    the speed test alone times the notebook's replay. Returns the records, and the scheduler and its allocator
+    itself (`lab.set`), so every decision recorded is one the Scheduler itself made. A round trip per read (the
+    speed test sends its calls in one message instead: `driven_calls`). Returns the records, and the scheduler and its allocator
     (handles) to check afterwards."""
     scheduler, allocator = learner_scheduler(lab, cfg)
     status, reason = lab.RequestStatus, lab.FinishReason

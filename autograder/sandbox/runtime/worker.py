@@ -37,7 +37,7 @@ Requests (one JSON object each, see `autograder.sandbox.runtime.codec` for frami
 A batch runs its steps in order: ``["call", target, args, kwargs]``, ``["get", target, name, null]`` or
 ``["set", target, name, value]``. A handle with a negative id, ``-1 - i``, stands for step ``i``'s result, so
 one message can call a method of an object an earlier step returned. A step that raises is recorded and the
-next one runs. The reply lists ``[i, ok, value or error]`` for each step in ``keep``.
+next one runs; a step that uses a failed step's result fails with that step's error. The reply lists ``[i, ok, value or error]`` for each step in ``keep``.
 
 Replies: ``{"ok": true, "value": ..., "id": ...}`` or ``{"ok": false, "error": {"type", "message",
 "traceback"}, "id": ...}``. The first message, sent unasked, says what confinement took effect.
@@ -69,6 +69,14 @@ _STDLIB = sysconfig.get_paths()["stdlib"]
 # ---------------------------------------------------------------------------------------------- objects
 
 
+class _Failed(Exception):
+    """A batch step used the result of an earlier step that raised: it fails with that step's error."""
+
+    def __init__(self, error: dict) -> None:
+        super().__init__(error.get("message", ""))
+        self.error = error
+
+
 class Worker:
     """Holds the submission's namespace and the objects handed out as handles."""
 
@@ -92,7 +100,7 @@ class Worker:
         if key < 0 and self.results is not None and -1 - key < len(self.results):
             ok, value = self.results[-1 - key]
             if not ok:
-                raise LookupError(f"step {-1 - key} of this batch, whose result this uses, raised")
+                raise _Failed(value)
             return value
         try:
             return self.handles[key]
@@ -178,10 +186,11 @@ class Worker:
                     if i in wanted:  # as data now: a later step may change the object
                         kept.append([i, True, self.encode(value)])
                 except BaseException as e:  # noqa: B036 - as in `serve`: the step's failure only
+                    error = e.error if isinstance(e, _Failed) else describe(e)
                     if len(results) == i:
-                        results.append((False, describe(e)))
+                        results.append((False, error))
                     if i in wanted:
-                        kept.append([i, False, self.encode(describe(e))])
+                        kept.append([i, False, self.encode(error)])
             return kept
         finally:
             self.results = None
