@@ -586,9 +586,6 @@ def test_sampled_requests_speculate_to_the_end_with_your_sampler(lab, rng):
     ids = tokenizer.encode(stdlib_text(*STDLIB_FILES))
     start = rng.randrange(len(ids) - 100)
     prompts = [ids[start : start + 40], ids[start + 40 : start + 70] * 2]
-    params = nanolab.SamplingParams(
-        max_tokens=24, temperature=0.8, seed=rng.randrange(2**31), ignore_eos=True
-    )
     settings = dict(block_size=4, num_blocks=48, max_num_seqs=2)
     draft = nanolab.load_model("tinypy-draft")
     for config, label in [
@@ -598,17 +595,28 @@ def test_sampled_requests_speculate_to_the_end_with_your_sampler(lab, rng):
             "the draft model's guesses",
         ),
     ]:
-        remote_pool = lab.KVPool(48, 4)
-        pool = SandboxAllocator(remote_pool)
-        proposer = None
-        if config.method == "draft_model":
-            proposer = reference.DraftModelProposer(config, draft, 48, 4)
-        llm = nanolab.LLM(model, tokenizer, block_allocator=pool, speculator=learners_speculator(lab, config, remote_pool, proposer), **settings)  # fmt: skip
         what = f"sampled requests in the engine with {label}"
-        got = run_capped(llm, prompts, params, what)
-        assert all(len(tokens) == 24 for tokens in got), f"{what}: a request did not get its 24 tokens"
-        assert llm.stats().spec_accepted_tokens > 0, (
-            f"{what}: not one guess was kept in {llm.stats().spec_draft_tokens}"
-        )
-        cached = llm.engine.block_manager.prefix_cache.total_size // 4
-        assert pool.num_free + cached == 48, f"{what}: every request finished, yet some blocks are still held"
+        drafted = []
+        # Whether a sampled guess is kept is chance: a correct sampler keeps one in nearly every run, but not
+        # in every one, so a run that keeps none is tried again with another seed, up to three runs in all.
+        for _attempt in range(3):
+            params = nanolab.SamplingParams(
+                max_tokens=24, temperature=0.8, seed=rng.randrange(2**31), ignore_eos=True
+            )
+            remote_pool = lab.KVPool(48, 4)
+            pool = SandboxAllocator(remote_pool)
+            proposer = None
+            if config.method == "draft_model":
+                proposer = reference.DraftModelProposer(config, draft, 48, 4)
+            llm = nanolab.LLM(model, tokenizer, block_allocator=pool, speculator=learners_speculator(lab, config, remote_pool, proposer), **settings)  # fmt: skip
+            got = run_capped(llm, prompts, params, what)
+            assert all(len(tokens) == 24 for tokens in got), f"{what}: a request did not get its 24 tokens"
+            cached = llm.engine.block_manager.prefix_cache.total_size // 4
+            assert pool.num_free + cached == 48, (
+                f"{what}: every request finished, yet some blocks are still held"
+            )
+            drafted.append(llm.stats().spec_draft_tokens)
+            if llm.stats().spec_accepted_tokens > 0:
+                break
+        else:
+            raise AssertionError(f"{what}: not one guess was kept in {len(drafted)} runs ({drafted} guesses)")
