@@ -13,7 +13,7 @@ BUILD_INPUTS := pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/CMakeLists.tx
 MODULES := $(sort $(shell find nanolab autograder labkit -name '*.py' -not -path '*/tests/*' 2>/dev/null))
 MODULE_LIST := $(VENV)/.nanolab-modules
 
-.PHONY: setup lab test lint bench labs solutions check-notebooks mutants clean FORCE
+.PHONY: setup clients lab test lint bench labs solutions check-notebooks mutants clean FORCE
 
 $(MODULE_LIST): FORCE
 	@mkdir -p $(VENV)
@@ -29,6 +29,29 @@ $(STAMP): $(BUILD_INPUTS) $(MODULE_LIST)
 
 ## setup: create .venv and install nanolab editable (C++ kernel built) with the dev tools
 setup: $(STAMP)
+
+# The clients users already run against `nanolab serve` (lm-evaluation-harness, guidellm) live in an
+# environment of their own: their dependencies are not nanolab's. torch is installed first with the same pin
+# as above (the CPU build), so that the clients' own requirement of torch is already met; uv installs the rest.
+CLIENTS_VENV := .venv-clients
+CLIENTS := "lm-eval[api]==0.4.13" "guidellm==0.8.1"
+CLIENTS_STAMP := $(CLIENTS_VENV)/.clients-installed
+CLIENTS_PINS := $(CLIENTS_VENV)/.clients-pins
+
+$(CLIENTS_PINS): FORCE
+	@mkdir -p $(CLIENTS_VENV)
+	@echo '$(TORCH) $(CLIENTS)' | cmp -s - $@ || echo '$(TORCH) $(CLIENTS)' > $@
+
+$(CLIENTS_STAMP): $(CLIENTS_PINS)
+	@test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/pip install --quiet --upgrade pip uv
+	$(CLIENTS_VENV)/bin/pip install --quiet "$(TORCH)"
+	$(CLIENTS_VENV)/bin/uv pip install --quiet --python $(CLIENTS_VENV)/bin/python $(CLIENTS)
+	$(CLIENTS_VENV)/bin/python -c "import lm_eval, guidellm, torch; print('clients installed: lm-eval', lm_eval.__version__, '· torch', torch.__version__)"
+	@touch $(CLIENTS_STAMP)
+
+## clients: set up, and install lm-evaluation-harness and guidellm in .venv-clients (for tests/serving/test_clients.py)
+clients: setup $(CLIENTS_STAMP)
 
 # Extra JupyterLab options, e.g. `make lab LAB_ARGS="--no-browser --port 8890"`. As root (containers),
 # JupyterLab refuses to start without --allow-root, so it is added there.
@@ -92,4 +115,4 @@ bench: setup
 	@set -e; for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b; done
 
 clean:
-	rm -rf $(VENV) build
+	rm -rf $(VENV) $(CLIENTS_VENV) build
