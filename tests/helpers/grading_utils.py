@@ -171,7 +171,20 @@ def replay_schedule(scheduler, events, new_request=None):
 # function runs the new code): it plays a correct scheduler of its own (the solution's code), then copies that
 # scheduler's state onto the learner's stub and the stub's allocator, so that reading them back agrees with the
 # records (Labs 4 and 5).
-IN_PLACE_REPLAY = """
+# The body of a forged replay_schedule(scheduler, events, new_request=None), given a ``namespace`` holding a correct
+# Scheduler: a private copy plays the events with ``{replay}`` (the original replay), then its state is copied onto
+# the graded scheduler and its allocator (here and in tests/labs/test_speed_forgery.py).
+FORGED_SCHEDULE = """\
+    blocks = scheduler.block_manager
+    allocator = BlockAllocator(blocks.allocator.num_total)
+    own = namespace["Scheduler"](scheduler.config, BlockManager(allocator, blocks.block_size))
+    records = {replay}(own, events, new_request)
+    scheduler.__dict__.update(own.__dict__)
+    blocks.allocator.__dict__.update(allocator.__dict__)
+    return records"""
+
+IN_PLACE_REPLAY = (
+    """
 import types as _types
 
 replay_schedule.__globals__["_plain_replay"] = _types.FunctionType(
@@ -182,17 +195,14 @@ replay_schedule.__globals__["_plain_replay"] = _types.FunctionType(
 def _rewritten(scheduler, events, new_request=None):
     namespace = dict(globals())
     exec({own!r}, namespace)
-    blocks = scheduler.block_manager
-    allocator = BlockAllocator(blocks.allocator.num_total)
-    own = namespace["Scheduler"](scheduler.config, BlockManager(allocator, blocks.block_size))
-    records = _plain_replay(own, events, new_request)
-    scheduler.__dict__.update(own.__dict__)
-    blocks.allocator.__dict__.update(allocator.__dict__)
-    return records
+"""
+    + FORGED_SCHEDULE.format(replay="_plain_replay")
+    + """
 
 
 replay_schedule.__code__ = _rewritten.__code__
 """
+)
 
 
 def replay_rewritten_in_place(nb: dict, own: str, graded_cell: str) -> None:

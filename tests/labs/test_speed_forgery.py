@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from helpers.grading_utils import cell
+from helpers.grading_utils import FORGED_SCHEDULE, cell
 
 from autograder.grading.grade import DEFAULT_TESTS_DIR, GradeOptions, grade
 from autograder.sandbox.limits import Limits
@@ -63,14 +63,7 @@ def _rewritten_{helper}{signature}:
 {helper}.__code__ = _rewritten_{helper}.__code__
 """
 
-SCHEDULER_BODY = """\
-    blocks = scheduler.block_manager
-    allocator = BlockAllocator(blocks.allocator.num_total)
-    own = namespace["Scheduler"](scheduler.config, BlockManager(allocator, blocks.block_size))
-    records = _plain_replay_schedule(own, events, new_request)
-    scheduler.__dict__.update(own.__dict__)
-    blocks.allocator.__dict__.update(allocator.__dict__)
-    return records"""
+SCHEDULER_BODY = FORGED_SCHEDULE.format(replay="_plain_replay_schedule")
 
 ENGINE_CELLS = ("layout-batch", "stop-rules", "detokenizer", "engine")
 
