@@ -31,12 +31,14 @@ $(STAMP): $(BUILD_INPUTS) $(MODULE_LIST)
 setup: $(STAMP)
 
 # The clients users already run against `nanolab serve` (lm-evaluation-harness, guidellm) live in an
-# environment of their own: their dependencies are not nanolab's. torch is installed first with the same pin
-# as above (the CPU build), so that the clients' own requirement of torch is already met; uv installs the rest.
+# environment of their own: their dependencies are not nanolab's. uv installs them with torch under the same pin
+# as above, looking where pip is configured to look for wheels first (PIP_FIND_LINKS, pip's find-links), as pip
+# does for .venv: that is where the pinned CPU build is found.
 CLIENTS_VENV := .venv-clients
 CLIENTS := "lm-eval[api]==0.4.13" "guidellm==0.8.1"
 CLIENTS_STAMP := $(CLIENTS_VENV)/.clients-installed
 CLIENTS_PINS := $(CLIENTS_VENV)/.clients-pins
+FIND_LINKS = $(sort $(PIP_FIND_LINKS) $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 
 $(CLIENTS_PINS): FORCE
 	@mkdir -p $(CLIENTS_VENV)
@@ -44,9 +46,9 @@ $(CLIENTS_PINS): FORCE
 
 $(CLIENTS_STAMP): $(CLIENTS_PINS)
 	@test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
-	$(CLIENTS_VENV)/bin/pip install --quiet --upgrade pip uv
-	$(CLIENTS_VENV)/bin/pip install --quiet "$(TORCH)"
-	$(CLIENTS_VENV)/bin/uv pip install --quiet --python $(CLIENTS_VENV)/bin/python $(CLIENTS)
+	$(CLIENTS_VENV)/bin/pip install --quiet uv
+	$(CLIENTS_VENV)/bin/uv pip install --quiet --python $(CLIENTS_VENV)/bin/python \
+		$(addprefix --find-links ,$(FIND_LINKS)) "$(TORCH)" $(CLIENTS)
 	$(CLIENTS_VENV)/bin/python -c "import lm_eval, guidellm, torch; print('clients installed: lm-eval', lm_eval.__version__, '· torch', torch.__version__)"
 	@touch $(CLIENTS_STAMP)
 
