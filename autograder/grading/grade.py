@@ -210,15 +210,16 @@ def _grade_task(conn: Any) -> None:
 
 
 def _preload_for(path: str, lab: int | None) -> None:
-    """Import the lab's big modules (torch) before the worker's memory cap is set, so that the cap bounds
-    what grading maps, not the size of the torch build: a CUDA build maps gigabytes more than the CPU one
-    on import, most of it reserved and never touched."""
+    """Import the lab's big modules (its sandbox's preloads and its hidden tests' `LabSpec.grader_preload`,
+    torch) before the worker's memory cap is set, so that the cap bounds what grading maps, not the size of
+    the torch build: a CUDA build maps gigabytes more than the CPU one on import, most of it reserved and
+    never touched."""
     try:
         number = lab if lab is not None else notebook_lab(read_notebook(Path(path)), Path(path))
         spec = LABS.get(number)
     except Exception:  # noqa: BLE001 - unreadable: grade_notebook says so, with the cap in place
         return
-    for module in spec.preload if spec is not None else ():
+    for module in (*spec.preload, *spec.grader_preload) if spec is not None else ():
         with contextlib.suppress(ImportError):
             __import__(module)
 

@@ -38,6 +38,10 @@ class LabSpec:
     # Sandbox address space on top of the interpreter and the preloads. Raise it only for a lab that
     # truly needs more, with the reason in a comment.
     memory_mb: int = DEFAULT_MEMORY_MB
+    # Imported by the grading worker, with the preloads, before its own memory cap is set
+    # (autograder.grading.grade): the big modules the lab's hidden tests import, nanolab's engine importing torch.
+    # The cap then bounds what grading maps, not the size of the torch build (a CUDA build maps about 3 GB on import).
+    grader_preload: tuple[str, ...] = ("torch", "numpy")
 
     @property
     def graded_names(self) -> tuple[str, ...]:
@@ -82,6 +86,7 @@ LABS: dict[int, LabSpec] = {
             }
         ),
         preload=("regex",),
+        grader_preload=(),  # the tokenizer's tests import no torch
     ),
     2: LabSpec(
         number=2,
