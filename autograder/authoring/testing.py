@@ -80,7 +80,7 @@ __all__ = [
     "expect_value_error",
     "identity",
     "spread_out",
-    "tiny_hf_model",
+    "tiny_qwen2_model",
     "stdlib_text",
 ]
 
@@ -265,30 +265,21 @@ def spread_out(model: Any, seed: int) -> Any:
     return model.eval()
 
 
-def tiny_hf_model(seed: int, vocab_size: int = 64, max_positions: int = 64) -> Any:
-    """A random Qwen2-style model built by Hugging Face transformers (one KV head for four query heads,
-    q/k/v biases), converted to a nanolab ``Transformer``; None where transformers is not installed."""
-    try:
-        import transformers
-    except ImportError:
-        return None
-    import torch
-
-    from nanolab.model.hf import config_from_hf, state_from_hf
+def tiny_qwen2_model(seed: int, vocab_size: int = 64, max_positions: int = 64) -> Any:
+    """A random Qwen2 model, tiny: one KV head for four query heads, q/k/v biases, SwiGLU, RMSNorm and RoPE.
+    Its config is read from a Qwen2 ``config.json`` dict, as nanolab reads a Hugging Face checkpoint's; its
+    weights, biases included, are drawn by `spread_out` (no transformers needed, none imported)."""
+    from nanolab.model.hf import config_from_hf
     from nanolab.model.transformer import Transformer
 
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(seed)
-    hf_config = transformers.Qwen2Config(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, max_position_embeddings=max_positions, tie_word_embeddings=False,
-        initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
-    hf = transformers.Qwen2ForCausalLM(hf_config).eval()
-    _, config = config_from_hf(hf_config.to_dict())
-    model = Transformer(config)
-    model.load_state_dict(state_from_hf(hf.state_dict(), config, "a tiny Qwen2 model"))
-    return model.eval()
+    raw = {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": vocab_size, "hidden_size": 32,
+        "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "max_position_embeddings": max_positions, "tie_word_embeddings": False, "hidden_act": "silu",
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    }  # fmt: skip
+    _, config = config_from_hf(raw, "a tiny Qwen2 model")
+    return spread_out(Transformer(config), seed)
 
 
 class SandboxAllocator:

@@ -17,7 +17,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 import nanolab
-from autograder.testing import RemoteError, bundled_model, expect, spread_out, stdlib_text, tiny_hf_model
+from autograder.testing import RemoteError, bundled_model, expect, spread_out, stdlib_text, tiny_qwen2_model
 from nanolab.engine.core import EngineStepError
 from nanolab.memory.paging import cdiv, slot_mapping
 from nanolab.model.attention import dense_causal_attention
@@ -310,14 +310,13 @@ def test_your_allocator_and_cache_serve_the_bundled_model_through_preemptions(la
 
 
 def test_your_cache_serves_other_model_families(lab, rng):
-    """Check your cache in the engine with random GPT-2 (MHA) and Llama-style (GQA) models, and a tiny Hugging Face Qwen2 (MQA, biases)."""
+    """Check your cache in the engine with random GPT-2 (MHA) and Llama-style (GQA) models, and a tiny random Qwen2 model (MQA, q/k/v biases)."""
     configs = [
         ModelConfig(arch="gpt2", vocab_size=64, n_layers=2, n_heads=4, n_kv_heads=4, d_model=32, d_ff=64, max_seq_len=64),
         ModelConfig(vocab_size=64, n_layers=3, n_heads=6, n_kv_heads=2, d_model=48, d_ff=64, max_seq_len=64),
     ]  # fmt: skip
     models = [(spread_out(Transformer(c), rng.randrange(2**31)), f"a random {c.arch} model") for c in configs]
-    if (hf := tiny_hf_model(rng.randrange(2**31))) is not None:
-        models.append((hf, "a tiny Hugging Face Qwen2 model"))
+    models.append((tiny_qwen2_model(rng.randrange(2**31)), "a tiny random Qwen2 model"))
     for model, label in models:
         config = model.config
         prompts = [[rng.randrange(64) for _ in range(rng.randint(1, 12))] for _ in range(3)]

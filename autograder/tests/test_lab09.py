@@ -2,7 +2,7 @@
 random token sequences, the rejection sampler's whole output distribution (a chi-square test against the exact
 distribution, computed here, with certain guesses and with guesses drawn from a draft distribution), its use
 of the generator it is given, `rollback` against nanolab's block manager on random caches, the expected-tokens
-formula, and the learner's pieces inside nanolab's engine on the bundled model and a tiny Hugging Face model.
+formula, and the learner's pieces inside nanolab's engine on the bundled model and a tiny random Qwen2 model.
 
 Distributions are sampled in the sandbox by the notebook's ``draw_many`` (the lab's own setup code: a graded
 cell that binds the name again does not change what the tests call), so thousands of draws cost one call. In
@@ -31,7 +31,7 @@ from autograder.testing import (
     expect_value_error,
     spread_out,
     stdlib_text,
-    tiny_hf_model,
+    tiny_qwen2_model,
 )
 from nanolab.engine import speculative as reference
 from nanolab.engine.speculative import SpeculativeConfig, Speculator
@@ -562,13 +562,13 @@ def test_your_pieces_in_the_engine_keep_the_reference_outputs(lab, rng):
 
 @pytest.mark.points(1)
 def test_your_pieces_serve_other_models(lab, rng):
-    """Check your pieces in the engine on a random Llama-style model and a tiny Hugging Face Qwen2 model (small vocabularies, so guesses are often right): the outputs and acceptance of nanolab's own speculation, every block freed."""
+    """Check your pieces in the engine on a random Llama-style model and a tiny random Qwen2 model (small vocabularies, so guesses are often right): the outputs and acceptance of nanolab's own speculation, every block freed."""
     config = ModelConfig(
         vocab_size=24, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, d_ff=64, max_seq_len=96
     )
     models = [(spread_out(Transformer(config), rng.randrange(2**31)), "a random Llama-style model")]
-    if (hf := tiny_hf_model(rng.randrange(2**31), vocab_size=32, max_positions=96)) is not None:
-        models.append((hf, "a tiny Hugging Face Qwen2 model"))
+    qwen = tiny_qwen2_model(rng.randrange(2**31), vocab_size=32, max_positions=96)
+    models.append((qwen, "a tiny random Qwen2 model"))
     for model, label in models:
         vocab = model.config.vocab_size
         prompts = [[rng.randrange(vocab) for _ in range(rng.randint(4, 30))] for _ in range(5)]

@@ -2,7 +2,7 @@
 `qkv_shard`, `gate_up_shard`) against nanolab's on random shapes and head layouts, the refusals, both sharded
 forwards on 1 to 8 ranks against the whole layer (computed here), their all-reduce count, and whole models cut
 and run by the learner's pieces on 2 and 4 ranks against the whole model's logits: the bundled model, a
-random GPT-2-style model with biases, and a tiny Hugging Face Qwen2 model whose one KV head is replicated.
+random GPT-2-style model with biases, and a tiny random Qwen2 model whose one KV head is replicated.
 
 The ranks of a sharded forward run in the sandbox, each a thread of the setup's ``run_ranks`` joined by its
 ``LocalGroup`` (the lab's own setup code: a graded cell that binds those names again does not change what the
@@ -26,7 +26,7 @@ from autograder.testing import (
     expect,
     expect_value_error,
     spread_out,
-    tiny_hf_model,
+    tiny_qwen2_model,
 )
 from nanolab.model import tensor_parallel as reference
 from nanolab.model.attention import sdpa
@@ -435,7 +435,7 @@ def _check_model(lab, model: Transformer, prompts: list[list[int]], sizes, name:
 
 @pytest.mark.points(3)
 def test_your_pieces_run_whole_models(lab, rng):
-    """Check that models cut by your functions and run by your forwards give the whole model's logits: the bundled model on 2 ranks, a random GPT-2-style model with biases on 2 and 4 ranks, and a tiny Hugging Face Qwen2 model (q/k/v biases, one KV head, replicated) on 2 and 4 ranks."""
+    """Check that models cut by your functions and run by your forwards give the whole model's logits: the bundled model on 2 ranks, a random GPT-2-style model with biases on 2 and 4 ranks, and a tiny random Qwen2 model (q/k/v biases, one KV head, replicated) on 2 and 4 ranks."""
     model, tokenizer = bundled_model()
     text = "def area(radius):\n    return 3.14159 * radius ** 2\n"
     _check_model(lab, model, [tokenizer.encode(text)[: rng.randint(8, 16)]], (2,), "the bundled model")
@@ -448,9 +448,8 @@ def test_your_pieces_run_whole_models(lab, rng):
     )
     prompts = [[rng.randrange(64) for _ in range(rng.randint(1, 10))] for _ in range(2)]
     _check_model(lab, gpt2, prompts, (2, 4), "a random GPT-2-style model")
-    qwen = tiny_hf_model(rng.randrange(2**31))
-    if qwen is not None:
-        _check_model(lab, qwen, prompts, (2, 4), "a tiny Qwen2 model")
+    qwen = tiny_qwen2_model(rng.randrange(2**31))
+    _check_model(lab, qwen, prompts, (2, 4), "a tiny random Qwen2 model")
 
 
 @pytest.mark.points(1)
