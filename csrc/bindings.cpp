@@ -77,6 +77,11 @@ py::array_t<float> paged_attention(const FloatArray& q, const FloatArray& k_cach
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "nanolab's C++ kernels (private; use the re-exports in nanolab)";
+#ifdef NANOLAB_OPENMP
+  m.attr("threading") = "openmp";
+#else
+  m.attr("threading") = "std::thread";
+#endif
 
   // Raise nanolab.errors.OutOfBlocksError, the same class the Python twin raises.
   py::register_exception_translator([](std::exception_ptr p) {

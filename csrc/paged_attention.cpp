@@ -240,6 +240,18 @@ void paged_attention(const PagedAttentionArgs& a, int num_threads) {
   };
   const int64_t n_threads =
       total < kSerialWork ? 1 : std::max<int64_t>(1, std::min<int64_t>(num_threads, items.size()));
+#ifdef NANOLAB_OPENMP
+  // Built with OpenMP: the work runs on OpenMP's thread team. Imported after torch's CPU build, this is
+  // torch's own team (the process has one libgomp.so.1 and torch's was loaded first), whose threads are
+  // started already and often still spin-waiting after the last matmul. Threads of our own would share the
+  // cores with those spinning threads; these are the same threads.
+  if (n_threads > 1) {
+#pragma omp parallel num_threads(static_cast<int>(n_threads))
+    worker();
+  } else {
+    worker();
+  }
+#else
   std::vector<std::thread> threads;
   for (int64_t i = 1; i < n_threads; ++i) {
     try {
@@ -250,6 +262,7 @@ void paged_attention(const PagedAttentionArgs& a, int num_threads) {
   }
   worker();  // the calling thread works too
   for (auto& t : threads) t.join();
+#endif
   if (error) std::rethrow_exception(error);
 }
 

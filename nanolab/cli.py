@@ -47,7 +47,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
     from nanolab._version import __version__
 
     print(f"nanolab {__version__}")
-    print(f"kernels: {_ext.backend()}" + ("" if _ext.HAS_C else f" ({_ext.why_pure})"))
+    if _ext.HAS_C:  # paged attention's threads: OpenMP's team (torch's) when built with OpenMP
+        print(f"kernels: cpp (paged attention on {getattr(_ext._C, 'threading', 'std::thread')} threads)")
+    else:
+        print(f"kernels: python ({_ext.why_pure})")
     try:
         from autograder.sandbox import cgroups, isolation
     except ImportError:  # nanolab installed without its grader

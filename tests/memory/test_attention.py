@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -234,6 +235,21 @@ def test_cpp_output_for_a_sequence_is_bitwise_independent_of_its_batch_and_threa
     arrays = (q.numpy(), p.k_cache.numpy(), p.v_cache.numpy(), p.block_tables.numpy(), p.context_lens.numpy())
     one, four = (_C.paged_attention(*arrays, None, 64**-0.5, n) for n in (1, 4))
     assert (one == four).all() and torch.equal(torch.from_numpy(one), batch)
+
+
+@needs_cpp
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_cpp_kernel_runs_on_torchs_own_openmp_threads():
+    """Built with OpenMP, the kernel's threads are torch's own team: the process maps one libgomp, the one
+    torch's CPU build ships. Threads of the kernel's own would share the cores with torch's, which
+    spin-wait for a while after every matmul."""
+    if _ext._C.threading != "openmp":
+        pytest.skip("nanolab._C was built without OpenMP: the kernel starts threads of its own")
+    shipped = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
+    if not shipped.exists():
+        pytest.skip("this torch build ships no libgomp.so.1 of its own (a CUDA or conda build)")
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    assert {line.split()[-1] for line in maps if "libgomp" in line} == {str(shipped.resolve())}
 
 
 # --- prefill over a cached prefix, and mixed batches ----------------------------------------------
