@@ -13,8 +13,10 @@
 //
 // The softmax is computed in two passes per query (all scores and their max first, then exp, sum
 // and the weighted sum of V), so it is stable for any score magnitude. Work is split into items of
-// (sequence, up to 16 query rows, a range of kv heads) that std::threads take from a shared counter
-// (no OpenMP: torch bundles its own runtime). An item reads each K/V row of its heads once for all
+// (sequence, up to 16 query rows, a range of kv heads) that threads take from a shared counter: OpenMP's
+// team when built with OpenMP, which is torch's own once torch is imported (torch's pip wheels ship
+// libgomp.so.1 and load it first, and a process loads one library per soname), else std::threads started
+// for the call. An item reads each K/V row of its heads once for all
 // its queries, so GQA query heads that share a kv head share the reads. Every output row is computed
 // by one item in a fixed order, so results do not depend on the batch or the number of threads.
 #pragma once
