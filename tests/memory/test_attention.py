@@ -241,15 +241,21 @@ def test_cpp_output_for_a_sequence_is_bitwise_independent_of_its_batch_and_threa
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 def test_cpp_kernel_runs_on_torchs_own_openmp_threads():
     """Built with OpenMP, the kernel's threads are torch's own team: the process maps one libgomp, the one
-    torch's CPU build ships. Threads of the kernel's own would share the cores with torch's, which
-    spin-wait for a while after every matmul."""
+    torch's wheel ships, also when nanolab's kernels are loaded before torch is imported (``import nanolab``
+    does). Threads of the kernel's own would share the cores with torch's, which spin-wait for a while after
+    every matmul."""
     if _ext._C.threading != "openmp":
         pytest.skip("nanolab._C was built without OpenMP: the kernel starts threads of its own")
     shipped = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
     if not shipped.exists():
-        pytest.skip("this torch build ships no libgomp.so.1 of its own (a CUDA or conda build)")
-    maps = Path("/proc/self/maps").read_text().splitlines()
-    assert {line.split()[-1] for line in maps if "libgomp" in line} == {str(shipped.resolve())}
+        pytest.skip("this torch build ships no libgomp.so.1 of its own (a conda build)")
+    probe = (
+        "import sys; import nanolab; assert 'torch' not in sys.modules; import torch; "
+        "torch.mm(torch.ones(64, 64), torch.ones(64, 64)); "
+        "print(sorted({line.split()[-1] for line in open('/proc/self/maps') if 'libgomp' in line}))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == str([str(shipped.resolve())])
 
 
 # --- prefill over a cached prefix, and mixed batches ----------------------------------------------
