@@ -51,6 +51,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print(f"kernels: cpp (paged attention on {getattr(_ext._C, 'threading', 'std::thread')} threads)")
     else:
         print(f"kernels: python ({_ext.why_pure})")
+    from nanolab.engine.device import describe_cuda
+
+    print(describe_cuda())  # what --device cuda would find
     try:
         from autograder.sandbox import cgroups, isolation
     except ImportError:  # nanolab installed without its grader
@@ -141,14 +144,16 @@ ENGINE_COMMANDS = ("generate", "bench", "serve")
 
 def build_parser(engine_args: bool = True) -> argparse.ArgumentParser:
     """The whole command line; ``engine_args=False`` leaves out the engine's flags of the commands that
-    build an engine (they import torch, which `nanolab grade` and `nanolab info` do not need)."""
+    build an engine (they import torch, which `nanolab grade` does not need)."""
     add_engine = add_engine_args if engine_args else (lambda p: None)
     parser = argparse.ArgumentParser(prog="nanolab", description=__doc__)
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command")
 
     info = sub.add_parser(
-        "info", help="show the version, which kernels (C++ or Python) and which grading sandbox are in use"
+        "info",
+        help="show the version, which kernels (C++ or Python) are in use, whether CUDA is available, and "
+        "which grading sandbox is in use",
     )
     info.set_defaults(func=_cmd_info)
     from autograder.grading.cli import add_arguments as add_grade_arguments

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from nanolab.engine.device import check_device
 from nanolab.engine.speculative import SpeculativeConfig
 from nanolab.memory.paging import cdiv
 from nanolab.model.config import ModelConfig
@@ -53,7 +54,9 @@ class AttentionBackend(str, enum.Enum):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """The engine's settings. Strings are accepted for the enum fields (``scheduling_policy="priority"``)."""
+    """The engine's settings. Strings are accepted for the enum fields (``scheduling_policy="priority"``);
+    ``device`` takes whatever ``torch.device`` does and keeps its string (``torch.device("cpu")`` -> "cpu").
+    """
 
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = (
@@ -72,6 +75,9 @@ class EngineConfig:
     aging_steps: int = 16  # with the priority policy: steps of waiting that count as one level of priority
     attention_backend: AttentionBackend = AttentionBackend.AUTO  # paged decode attention implementation
     tensor_parallel_size: int = 1  # processes the model is split over (tensor parallelism; gloo on the CPU)
+    device: str = (
+        "cpu"  # torch device of the model, the KV pool and each step's tensors: cpu, cuda, cuda:N, ...
+    )
     speculative_config: SpeculativeConfig | None = (
         None  # speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4} or {"method": "draft_model", "model": ..., "num_speculative_tokens": 4}; default off
     )
@@ -82,6 +88,8 @@ class EngineConfig:
             kind = _field_type(f)
             if kind is SpeculativeConfig:
                 object.__setattr__(self, f.name, SpeculativeConfig.parse(value))
+            elif kind is str:  # the device: checked last, against the settings checked here
+                continue
             elif issubclass(kind, enum.Enum):
                 try:
                     object.__setattr__(self, f.name, kind(value))
@@ -95,6 +103,26 @@ class EngineConfig:
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                     none = " or None" if _optional(f) else ""
                     raise ValueError(f"{f.name} must be a positive integer{none}, got {value!r}")
+        object.__setattr__(self, "device", str(self._check_device()))
+
+    def _check_device(self) -> torch.device:
+        """The device, checked against the settings that need the CPU, then against this machine."""
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            device = None  # not a device at all: `check_device` below says so
+        if device is not None and device.type != "cpu":
+            if self.attention_backend is AttentionBackend.CPP:
+                raise ValueError(
+                    f"attention_backend 'cpp' is the C++ kernel, which runs on the CPU only, but device is "
+                    f"{str(self.device)!r}; use attention_backend 'torch' (or 'auto', which picks torch off the CPU)"
+                )
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    f"tensor_parallel_size {self.tensor_parallel_size} runs its ranks on the CPU (over gloo), "
+                    f"but device is {str(self.device)!r}; use device 'cpu' or tensor_parallel_size 1"
+                )
+        return check_device(self.device)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -159,6 +187,8 @@ class EngineConfig:
             elif issubclass(kind, enum.Enum):
                 choices = [c.value for c in kind]
                 group.add_argument(flag, choices=choices, default=f.default.value, help=help_)
+            elif kind is str:
+                group.add_argument(flag, default=f.default, help=f"{help_} (default {f.default})")
             else:
                 default = "" if f.default is None else f" (default {f.default})"
                 group.add_argument(flag, type=int, default=f.default, help=help_ + default)

@@ -5,7 +5,8 @@ scheduler and the model runner from an `EngineConfig` (each swappable, behind a 
 `BlockAllocatorProtocol`, `PrefixCacheProtocol`, `SchedulerProtocol`, and the attention backend of the
 paged cache), and turns prompts into requests: `add_requests` tokenizes and checks every prompt and its
 sampling parameters before any is queued (see `nanolab.engine.prompt`). The loop, aborts and
-`stats` are `nanolab.engine.core.EngineCore`'s.
+`stats` are `nanolab.engine.core.EngineCore`'s. The model (moved there in place), the KV pool and every
+step's tensors live on ``config.device``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from nanolab.engine.config import EngineConfig
 from nanolab.engine.core import EngineCore
@@ -47,10 +50,11 @@ class Engine(EngineCore):
         speculator: Speculator | None = None,
         shard_fn: Any = None,
     ) -> None:
-        self.model = model.eval()
-        self.tokenizer = tokenizer
         cfg = (config or EngineConfig()).resolve(model.config)
         self.config = cfg
+        device = torch.device(cfg.device)
+        self.model = model.eval().to(device)
+        self.tokenizer = tokenizer
 
         allocator = _build(block_allocator, BlockAllocator, cfg.num_blocks)
         if allocator.num_total != cfg.num_blocks:
@@ -68,7 +72,9 @@ class Engine(EngineCore):
             )
             self.model = runner.model
         else:
-            kv_cache = PagedKVCache(model.config, cfg.num_blocks, cfg.block_size, attention_backend=backend)
+            kv_cache = PagedKVCache(
+                model.config, cfg.num_blocks, cfg.block_size, attention_backend=backend, device=device
+            )
             runner = ModelRunner(self.model, kv_cache)
         super().__init__(
             _build(scheduler, Scheduler, cfg, block_manager),
@@ -166,7 +172,9 @@ def _speculator(cfg: EngineConfig, model: Transformer) -> Speculator | None:
             f"the draft model {spec.model!r} has a vocabulary of {draft.config.vocab_size} tokens but the "
             f"model has {model.config.vocab_size}: a draft model must share its target's tokenizer"
         )
-    proposer = DraftModelProposer(spec, draft, cfg.num_blocks, cfg.block_size, cfg.attention_backend.value)
+    proposer = DraftModelProposer(
+        spec, draft, cfg.num_blocks, cfg.block_size, cfg.attention_backend.value, device=cfg.device
+    )
     return Speculator(spec, proposer)
 
 

@@ -32,7 +32,8 @@ class LLM:
     ``block_allocator``, ``prefix_cache`` and ``scheduler`` take a class (or instance) following
     `BlockAllocatorProtocol`, `PrefixCacheProtocol` or `SchedulerProtocol`: a learner's own component
     plugs in here. ``listeners`` are called with each step's `StepRecord`. Engine settings are given as keywords (``max_num_seqs=8``, ``block_size=4``: the
-    fields of `EngineConfig`, checked by name) or as one ``config=EngineConfig(...)``.
+    fields of `EngineConfig`, checked by name) or as one ``config=EngineConfig(...)``. With
+    ``device="cuda"`` (one of them) the model runs on that device: a `Transformer` given is moved there.
     ``chat_template`` (Jinja source or a `ChatTemplate`) replaces the checkpoint's own, for `chat`.
     ``speculator`` (a `nanolab.engine.speculative.Speculator`) replaces the one ``speculative_config``
     builds: a learner's own proposer, verification rules or rollback plug in here.

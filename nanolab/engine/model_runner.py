@@ -124,10 +124,15 @@ def can_speculate(r: Request) -> bool:
 
 
 class ModelRunner:
-    """Runs a laid-out batch through the model over the paged KV cache and samples its next tokens."""
+    """Runs a laid-out batch through the model over the paged KV cache and samples its next tokens.
+
+    A step's tensors are made on the model's device (``device``, where its weights are), which is the
+    KV cache's too; tokens come back to Python as lists.
+    """
 
     def __init__(self, model: Transformer, kv_cache: PagedKVCache) -> None:
         self.model = model
+        self.device = model.lm_head.weight.device
         self.kv_cache = kv_cache
         self.forward_seconds = 0.0  # the model's share of the last `run`
         # speculative decoding: the engine's `Speculator`, whose rules check the guesses (None: nanolab's)
@@ -190,7 +195,9 @@ class ModelRunner:
         if blocks_to_copy:
             self.kv_cache.copy_blocks(blocks_to_copy)
         positions = self.kv_cache.prepare(seqs)
-        return self.model(torch.tensor(token_ids, dtype=torch.long), positions, self.kv_cache)
+        return self.model(
+            torch.tensor(token_ids, dtype=torch.long, device=self.device), positions, self.kv_cache
+        )
 
     def close(self) -> None:
         """Release what the runner holds beyond memory (a tensor-parallel runner's workers); nothing here."""

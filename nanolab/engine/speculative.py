@@ -202,16 +202,17 @@ def rejection_sample(
     None means each guess was certain (q = 1 at the guess). Guess i is kept with probability
     min(1, p_i(x) / q_i(x)); at the first rejection a token is drawn from max(0, p_i - q_i), normalised,
     and the rest is dropped; if every guess is kept, a last token is drawn from the final row. Random
-    numbers come from ``generator`` (torch's global one when None).
+    numbers come from ``generator`` (torch's global one when None), on the CPU like `sample`'s: the
+    probabilities are moved there first, so a seed keeps the same tokens on every device.
     """
     k = len(draft)
     if target_probs.ndim != 2 or target_probs.shape[0] != k + 1:
         raise ValueError(
             f"{k} guesses need target_probs of shape ({k + 1}, V), got {tuple(target_probs.shape)}"
         )
-    p = target_probs.float()
-    q = draft_probs.float() if draft_probs is not None else None
-    accept = torch.rand(k, generator=generator) if k else torch.empty(0)
+    p = target_probs.float().cpu()
+    q = draft_probs.float().cpu() if draft_probs is not None else None
+    accept = torch.rand(k, generator=generator, device="cpu") if k else torch.empty(0, device="cpu")
     out: list[int] = []
     for i, x in enumerate(draft):
         px = float(p[i, x])
@@ -321,7 +322,8 @@ class _DraftSeq:
 class DraftModelProposer:
     """A smaller model with the target's tokenizer guesses each request's next tokens.
 
-    The draft keeps its own paged KV cache (``num_blocks`` blocks of ``block_size`` tokens). Each step it
+    The draft keeps its own paged KV cache (``num_blocks`` blocks of ``block_size`` tokens), on
+    ``device`` with the draft (which is moved there in place). Each step it
     first catches up, in one forward for all requests, on the tokens it has not seen (a new request's
     prompt, or the tokens the target kept and added last step); its cache past the first difference
     from the request's tokens (a rejected guess) is dropped first. Then one forward per further guess,
@@ -338,16 +340,18 @@ class DraftModelProposer:
         num_blocks: int,
         block_size: int,
         attention_backend: str = "auto",
+        device: torch.device | str = "cpu",
     ) -> None:
         from nanolab.memory.block_allocator import BlockAllocator
         from nanolab.memory.paged_kv_cache import PagedKVCache
 
         self.config = config
-        self.model = draft.eval()
+        self.device = torch.device(device)
+        self.model = draft.eval().to(self.device)
         self.allocator = BlockAllocator(num_blocks)
         self.block_size = block_size
         self.kv_cache = PagedKVCache(
-            draft.config, num_blocks, block_size, attention_backend=attention_backend
+            draft.config, num_blocks, block_size, attention_backend=attention_backend, device=self.device
         )
         self.seqs: dict[str, _DraftSeq] = {}
 
@@ -424,7 +428,7 @@ class DraftModelProposer:
 
     def _forward(self, ids: list[int], slices: list[Any], rows: list[int]) -> torch.Tensor:
         positions = self.kv_cache.prepare(slices)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long), positions, self.kv_cache)
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), positions, self.kv_cache)
         return self.model.compute_logits(hidden[rows]).float()
 
     def _guess(self, entries: list[tuple], logits: torch.Tensor, out: list[list[int]]) -> dict[int, int]:
@@ -439,7 +443,8 @@ class DraftModelProposer:
             probs = filter_logits(logits[sampled], [params[b] for b in sampled]).softmax(dim=-1)
             for row, b in zip(probs, sampled):
                 r = entries[b][1]
-                guesses[b] = int(torch.multinomial(row, 1, generator=r.generator))
+                # drawn on the CPU, where the request's generator lives (see `sample`)
+                guesses[b] = int(torch.multinomial(row.cpu(), 1, generator=r.generator))
                 before = [] if not out[entries[b][0]] else [r.spec_draft_probs]
                 r.spec_draft_probs = torch.cat([*before, row[None]])
         last = {}

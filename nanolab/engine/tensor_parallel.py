@@ -13,9 +13,9 @@ is rank 0 of the model (`TensorParallelRunner` is a `ModelRunner` whose `forward
 Each worker holds its rank's shard of the weights and a paged KV cache with its rank's KV heads, laid out by
 the same block tables, so a block id means the same tokens on every rank. The model's layers sum their
 partial outputs with ``torch.distributed`` all-reduces (`nanolab.model.tensor_parallel`) over gloo, since
-the engine runs on the CPU (a group for CUDA tensors would be NCCL's: ``_new_group`` takes either, and
-under torchrun the backend follows the model's device). The hidden states after the last layer are whole
-on every rank; only the driver computes logits.
+tensor parallelism runs on the CPU (`EngineConfig` refuses another ``device`` with it; a group for CUDA
+tensors would be NCCL's: ``_new_group`` takes either, and under torchrun the backend follows the model's
+device). The hidden states after the last layer are whole on every rank; only the driver computes logits.
 
 Life cycle:
 
@@ -86,17 +86,18 @@ def _new_group(store: Any, rank: int, size: int, backend: str) -> Any:
 
 
 def _broadcast(group: Any, obj: Any = None) -> Any:
-    """Rank 0's ``obj`` on every rank (pickled; two broadcasts: its length, then its bytes)."""
+    """Rank 0's ``obj`` on every rank (pickled; two broadcasts: its length, then its bytes). The bytes
+    travel in CPU tensors, whatever device the model is on: gloo's."""
     if obj is not None or group.rank() == 0:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        size = torch.tensor([len(data)], dtype=torch.long)
+        size = torch.tensor([len(data)], dtype=torch.long, device="cpu")
     else:
-        size = torch.zeros(1, dtype=torch.long)
+        size = torch.zeros(1, dtype=torch.long, device="cpu")
     group.broadcast([size], dist.BroadcastOptions()).wait()
     if group.rank() == 0:
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     else:
-        buf = torch.empty(int(size.item()), dtype=torch.uint8)
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device="cpu")
     group.broadcast([buf], dist.BroadcastOptions()).wait()
     return obj if group.rank() == 0 else pickle.loads(buf.numpy().tobytes())
 
@@ -117,7 +118,8 @@ class _Worker:
             if copies:
                 self.kv_cache.copy_blocks(copies)
             positions = self.kv_cache.prepare([SeqSlice(*s) for s in seqs])
-            self.model(torch.tensor(token_ids, dtype=torch.long), positions, self.kv_cache)
+            ids = torch.tensor(token_ids, dtype=torch.long, device=self.kv_cache.device)
+            self.model(ids, positions, self.kv_cache)
 
 
 def _watch_parent(parent: int) -> None:

@@ -111,7 +111,8 @@ def check_values(
             f"{lens_name}{'' if single else f'[{s}]'} is {int(lens[s])} but {who}, whose own keys must "
             "already be in the cache (write_kv first)"
         )
-    used = torch.arange(width) * block_size < lens[:, None]  # (B, width): blocks holding tokens
+    # (B, width): the blocks that hold tokens
+    used = torch.arange(width, device=lens.device) * block_size < lens[:, None]
     if (bad := where(used & ((block_tables < 0) | (block_tables >= num_blocks)))) is not None:
         s, j = bad
         raise ValueError(
@@ -165,9 +166,10 @@ def torch_decode(
     _, block_size, n_kv_heads, _ = k_cache.shape
     L = int(context_lens.max())
     n_blocks = cdiv(L, block_size)
-    offsets = torch.arange(block_size)
+    device = block_tables.device
+    offsets = torch.arange(block_size, device=device)
     slots = (block_tables[:, :n_blocks].long()[:, :, None] * block_size + offsets).flatten(1)[:, :L]  # (B, L)
-    valid = torch.arange(L) < context_lens[:, None]  # (B, L)
+    valid = torch.arange(L, device=device) < context_lens[:, None]  # (B, L)
     # Padding positions read position 0's slot instead: an unwritten slot may hold anything, even NaN,
     # and a masked-out NaN still poisons the sum (0 * NaN = NaN).
     slots = torch.where(valid, slots, slots[:, :1])
@@ -198,7 +200,7 @@ def torch_prefill(
     k = gather_kv(k_cache, block_table, context_len)  # (ctx, nkv, hs)
     v = gather_kv(v_cache, block_table, context_len)
     first = context_len - q_len  # position of the first query token
-    mask = None if first == 0 else chunk_mask(first, q_len)
+    mask = None if first == 0 else chunk_mask(first, q_len, q.device)
     return sdpa(q, k, v, mask=mask, causal=first == 0, scale=scale)
 
 
@@ -236,4 +238,4 @@ def cpp_attention(
         float(scale),
         torch.get_num_threads(),
     )
-    return torch.from_numpy(out)
+    return torch.as_tensor(out, device="cpu")  # zero-copy like from_numpy, and names its device

@@ -138,15 +138,16 @@ def paged_prefill_attention(
         raise ValueError(
             f"block_table must be 1-D (max_blocks,) for one sequence, got {tuple(block_table.shape)}"
         )
-    tables, lens = block_table.reshape(1, -1), torch.tensor([context_len], dtype=torch.int32)
+    device = block_table.device
+    tables, lens = block_table.reshape(1, -1), torch.tensor([context_len], dtype=torch.int32, device=device)
     _backends.check_layout(q, k_cache, v_cache, tables, lens)
     q_len = q.shape[0]
     if q_len == 0:
         return q.new_empty(q.shape)
-    _backends.check_values(tables, lens, torch.tensor([q_len]), k_cache.shape, single=True)
+    _backends.check_values(tables, lens, torch.tensor([q_len], device=device), k_cache.shape, single=True)
     scale = _default_scale(q, scale)
     if _backends.resolve(backend, q, k_cache, v_cache, prefill_len=q_len) == "cpp":
-        qsl = torch.tensor([0, q_len], dtype=torch.int32)
+        qsl = torch.tensor([0, q_len], dtype=torch.int32, device=device)
         return _backends.cpp_attention(q, k_cache, v_cache, tables, lens, qsl, scale)
     return _backends.torch_prefill(q, k_cache, v_cache, block_table, context_len, scale)
 

@@ -1,6 +1,7 @@
 """The paged KV cache: every running request's keys and values in fixed-size blocks of one shared pool.
 
-Storage per layer is ``k[layer]``, ``v[layer]`` of shape (num_blocks, block_size, n_kv_heads, head_dim).
+Storage per layer is ``k[layer]``, ``v[layer]`` of shape (num_blocks, block_size, n_kv_heads, head_dim),
+on the cache's ``device``, where every tensor `prepare` lays out lives too.
 A request's block table lists its blocks in token order, so the token at position ``pos`` lives in
 slot ``block_table[pos // block_size] * block_size + pos % block_size`` of the flattened pool.
 
@@ -51,12 +52,14 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         attention_backend: str = "auto",
         num_kv_heads: int | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         # num_kv_heads: the KV heads this cache holds (a tensor-parallel rank's share; None: the model's)
         num_kv_heads = config.n_kv_heads if num_kv_heads is None else num_kv_heads
         shape = (num_blocks, block_size, num_kv_heads, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(config.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(config.n_layers)]
+        self.device = torch.device(device)
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.n_layers)]
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.backend = attention_backend
@@ -65,7 +68,10 @@ class PagedKVCache:
         self._short: tuple | None = None  # the short chunks' (rows, block tables, lens, query starts)
         # the C++ kernel takes the short chunks in one call where it can run this cache
         self._batch_short = (
-            attention_backend != "torch" and _backends.HAS_CPP_KERNEL and dtype == torch.float32
+            attention_backend != "torch"
+            and _backends.HAS_CPP_KERNEL
+            and dtype == torch.float32
+            and self.device.type == "cpu"
         )
 
     @property
@@ -79,7 +85,7 @@ class PagedKVCache:
         step for every running request, so the decode group (most of a busy batch) is laid out with a
         few list comprehensions and one NumPy conversion per array rather than per-token Python work.
         """
-        block_size = self.block_size
+        block_size, device = self.block_size, self.device
         n_dec = 0
         for s in seqs:
             if s.num_new != 1:
@@ -99,7 +105,7 @@ class PagedKVCache:
         for table, start, n in chunks:
             slots += slot_mapping(table, start, start + n, block_size)
             positions += range(start, start + n)
-        self._slots = torch.from_numpy(np.array(slots, dtype=np.int64))
+        self._slots = torch.as_tensor(np.array(slots, dtype=np.int64), device=device)
         self._num_decodes = n_dec
         if n_dec:
             width = max(len(s.block_table) for s in decodes)
@@ -108,8 +114,10 @@ class PagedKVCache:
             for s in decodes:
                 flat += s.block_table
                 flat += pad[len(s.block_table) :]
-            self._dec_tables = torch.from_numpy(np.array(flat, dtype=np.int32).reshape(n_dec, width))
-            self._dec_lens = torch.from_numpy(np.array(positions[:n_dec], dtype=np.int32) + 1)
+            self._dec_tables = torch.as_tensor(
+                np.array(flat, dtype=np.int32).reshape(n_dec, width), device=device
+            )
+            self._dec_lens = torch.as_tensor(np.array(positions[:n_dec], dtype=np.int32) + 1, device=device)
         # Prefill chunks: (first row, last row, block table, context length, starts at 0?)
         self._prefills = []
         short: list[tuple[int, SeqSlice]] = []  # (first row, chunk) of the short chunks after a prefix
@@ -119,7 +127,7 @@ class PagedKVCache:
             if self._batch_short and start > 0 and n <= MAX_BATCHED_CHUNK:
                 short.append((row, s))
             else:
-                t = torch.tensor(table, dtype=torch.int32)
+                t = torch.tensor(table, dtype=torch.int32, device=device)
                 self._prefills.append((row, row + n, t, start + n, start == 0))
             row += n
         self._short = None
@@ -132,12 +140,12 @@ class PagedKVCache:
             lens = np.array([s.start_pos + s.num_new for _, s in short], dtype=np.int32)
             starts = np.cumsum([0] + [s.num_new for _, s in short], dtype=np.int32)
             self._short = (
-                torch.tensor(rows, dtype=torch.long),
-                torch.from_numpy(tables),
-                torch.from_numpy(lens),
-                torch.from_numpy(starts),
+                torch.tensor(rows, dtype=torch.long, device=device),
+                torch.as_tensor(tables, device=device),
+                torch.as_tensor(lens, device=device),
+                torch.as_tensor(starts, device=device),
             )
-        return torch.from_numpy(np.array(positions, dtype=np.int64))
+        return torch.as_tensor(np.array(positions, dtype=np.int64), device=device)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """For each (src, dst) pair, make block ``dst`` a copy of block ``src`` in every layer (keys and
@@ -147,8 +155,8 @@ class PagedKVCache:
         named twice."""
         if not pairs:
             return
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
         for name, ids in (("src", src), ("dst", dst)):
             bad = ids[(ids < 0) | (ids >= self.num_blocks)]
             if bad.numel():

@@ -33,7 +33,7 @@ def dense_causal_attention(
     v = v.repeat_interleave(group, dim=1)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # (nh, T, T)
-    future = torch.ones(T, T, dtype=torch.bool).triu(diagonal=1)
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(diagonal=1)
     scores = scores.masked_fill(future, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 

@@ -142,10 +142,14 @@ class SamplingParams:
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:
-    """A generator seeded with ``seed``, or None (use torch's global generator) when seed is None."""
+    """A CPU generator seeded with ``seed``, or None (use torch's global generator) when seed is None.
+
+    On the CPU whatever device the model runs on: `sample` draws its random numbers there, so a seed
+    gives the same tokens on every device.
+    """
     if seed is None:
         return None
-    return torch.Generator().manual_seed(seed)
+    return torch.Generator(device="cpu").manual_seed(seed)
 
 
 class TokenLogprob(NamedTuple):
@@ -199,7 +203,8 @@ def token_logprobs(
 ) -> list[TokenLogprob]:
     """Each row's chosen token's log-probability under softmax(logits), and its ``num_top[b]`` best."""
     logp = logits.float().log_softmax(dim=-1)
-    chosen = logp[torch.arange(len(token_ids)), torch.tensor(list(token_ids), dtype=torch.long)].tolist()
+    rows = torch.arange(len(token_ids), device=logp.device)
+    chosen = logp[rows, torch.tensor(list(token_ids), dtype=torch.long, device=logp.device)].tolist()
     k = max(num_top, default=0)
     top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
     top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
@@ -269,7 +274,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     share of a decode step or not.
     """
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
-        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+        return torch.as_tensor(logits.numpy().argmax(axis=-1), device="cpu")
     return logits.argmax(dim=-1)
 
 
@@ -281,7 +286,9 @@ def sample(
     Logit bias and penalties are not applied here: give the logits `adjust_logits` returns. Greedy rows take the exact argmax. Other rows draw from softmax(`filter_logits`) with the Gumbel-max
     trick: the winner is argmax(logits_i + G_i) with G_i = -log(-log U_i), U_i uniform, which picks i
     with probability softmax(logits)_i. Row b's U comes from ``generators[b]`` (torch's global generator
-    when None), so seeded output does not depend on what else is in the batch.
+    when None), so seeded output does not depend on what else is in the batch. U is drawn on the CPU
+    (where `make_generator`'s generators live) and moved to the logits' device, so a seed gives the same
+    tokens on every device.
     """
     if len(generators) != len(params):
         raise ValueError(f"got {len(params)} SamplingParams but {len(generators)} generators")
@@ -291,8 +298,7 @@ def sample(
         return result
     sampled = logits if len(rows) == len(params) else logits[rows]
     filtered = filter_logits(sampled, [params[b] for b in rows])  # (R, V)
-    # Drawn on the CPU (where `make_generator`'s generators live) so a seed gives the same tokens anywhere.
-    gumbel = torch.empty(filtered.shape, dtype=torch.float32)
+    gumbel = torch.empty(filtered.shape, dtype=torch.float32, device="cpu")
     for i, b in enumerate(rows):
         gumbel[i].uniform_(generator=generators[b])
     gumbel.log_().neg_().log_().neg_()  # -log(-log U); U = 0 gives -inf: that token cannot win, no nan

@@ -29,6 +29,33 @@ def test_info_names_the_kernels(capsys):
     assert "nanolab" in out and ("cpp" in out or "python" in out)
 
 
+def test_info_says_whether_cuda_is_available(capsys):
+    """``nanolab info`` has a line on CUDA: the GPUs torch sees, or why there are none."""
+    import torch
+
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    if torch.cuda.is_available():
+        assert re.search(r"^cuda: available, \d+ GPU\(s\): cuda:0 ", out, re.M), out
+    else:
+        assert re.search(r"^cuda: not available \(.*(no CUDA support|finds no GPU)\)$", out, re.M), out
+
+
+def test_the_device_flag_reaches_the_config_and_a_bad_one_is_an_error(checkpoint, capsys):
+    """``--device`` is an engine flag like the others; a device that is no device, or one this machine
+    cannot use, stops the command with the reason and exit status 2, no traceback."""
+    from nanolab.cli import build_parser
+    from nanolab.engine.config import EngineConfig
+
+    args = build_parser().parse_args(["generate", "x", "--device", "cpu"])
+    assert EngineConfig.from_cli_args(args).device == "cpu"
+    assert main(["generate", "x", "--model", str(checkpoint), "--device", "gpu"]) == 2
+    err = capsys.readouterr().err
+    assert "device 'gpu' is not a torch device" in err and "Traceback" not in err
+    assert main(["generate", "x", "--device", "cuda", "--attention-backend", "cpp"]) == 2
+    assert "runs on the CPU only" in capsys.readouterr().err
+
+
 def test_generate_streams_the_same_text_as_the_api(checkpoint, capsys):
     assert main(["generate", "def f", "--model", str(checkpoint), "--max-tokens", "10"]) == 0
     printed = capsys.readouterr().out
