@@ -16,7 +16,7 @@ tokens. Last, speculative decoding against plain decoding, for the n-gram propos
 model, on code that repeats itself and on code that does not, one request at a time and as one batch:
 throughput, the ratio to plain decoding (median and range of the repeats, measured in the same run),
 the share of guesses kept, target forwards per output token, and whether the greedy outputs are
-identical.
+identical. ``--device cuda`` runs the engine and HF on a GPU (and is skipped where there is none).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from dataclasses import replace
 import torch
 
 from nanolab import LLM, SamplingParams, load_model, load_tokenizer
+from nanolab.engine.device import DeviceUnavailableError, check_device
 from nanolab.engine.stats import StepRecord
 from nanolab.model.hf import to_hf
 from nanolab.model.loading import ASSETS_DIR
@@ -66,7 +67,7 @@ def run_hf_sequential(hf, prompts, lengths, progress) -> tuple[float, list[list[
     results = []
     t0 = time.perf_counter()
     for p, n in progress(list(zip(prompts, lengths)), desc="HF sequential"):
-        x = torch.tensor([p])
+        x = torch.tensor([p], device=hf.device)
         y = hf.generate(
             x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False
         )
@@ -80,18 +81,18 @@ def run_hf_static(hf, prompts, lengths, batch: int, pad_id: int, progress) -> fl
     for i in progress(range(0, len(prompts), batch), desc="HF static batches"):
         ps, ns = prompts[i : i + batch], lengths[i : i + batch]
         width = max(map(len, ps))
-        x = torch.tensor([[pad_id] * (width - len(p)) + p for p in ps])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+        x = torch.tensor([[pad_id] * (width - len(p)) + p for p in ps], device=hf.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=hf.device)
         hf.generate(x, attention_mask=mask, max_new_tokens=max(ns), min_new_tokens=max(ns), do_sample=False)
     return time.perf_counter() - t0
 
 
 def overhead_at_batch(
-    model, tokenizer, batch: int, prompt_len: int = 64, out_len: int = 48
+    model, tokenizer, batch: int, device: str, prompt_len: int = 64, out_len: int = 48
 ) -> tuple[float, float, int]:
     """Fraction of step time outside the model forward, over steps that decode exactly `batch` requests."""
     records: list[StepRecord] = []
-    llm = LLM(model, tokenizer, listeners=[records.append])
+    llm = LLM(model, tokenizer, listeners=[records.append], device=device)
     prompts = [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(batch)]
     llm.generate(prompts, SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True), use_tqdm=False)
     steps = [(r.forward_seconds, r.step_seconds) for r in records if r.num_seqs == batch == r.num_tokens]
@@ -106,7 +107,15 @@ def main() -> None:
     parser.add_argument("--hf-batch", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a small workload (for a smoke test)")
+    parser.add_argument("--device", default="cpu", help="torch device of the engine and HF (cpu, cuda, ...)")
     args = parser.parse_args()
+    try:
+        device = str(check_device(args.device))
+    except DeviceUnavailableError as e:
+        print(f"bench_engine: skipped: {e}")
+        return
+    except ValueError as e:
+        parser.error(str(e))
     from tqdm.auto import tqdm
 
     torch.manual_seed(args.seed)
@@ -120,13 +129,16 @@ def main() -> None:
         f"workload: {n} requests, prompts {min(map(len, prompts))}..{max(map(len, prompts))} tokens, "
         f"outputs {min(lengths)}..{max(lengths)} tokens, {total} output tokens in all"
     )
-    print(f"model: {model.num_parameters() / 1e6:.1f}M parameters, torch threads: {torch.get_num_threads()}")
+    print(
+        f"model: {model.num_parameters() / 1e6:.1f}M parameters, torch threads: {torch.get_num_threads()}, "
+        f"device: {device}"
+    )
 
-    llm = LLM(model, tokenizer)
+    llm = LLM(model, tokenizer, device=device)
     run_engine(llm, prompts[:4], lengths[:4])  # warm-up
-    t_engine, engine_out = run_engine(LLM(model, tokenizer), prompts, lengths)
+    t_engine, engine_out = run_engine(LLM(model, tokenizer, device=device), prompts, lengths)
 
-    hf = to_hf(model).eval()
+    hf = to_hf(model).to(device).eval()
     pad = tokenizer.eos_token_id or 0
     hf.generation_config.pad_token_id = pad
     t_seq, hf_out = run_hf_sequential(hf, prompts, lengths, tqdm)
@@ -144,7 +156,7 @@ def main() -> None:
     print(f"greedy outputs identical to HF sequential: {same}/{n}")
 
     batch = min(64, n)
-    runs = sorted(overhead_at_batch(model, tokenizer, batch) for _ in range(3))
+    runs = sorted(overhead_at_batch(model, tokenizer, batch, device) for _ in range(3))
     frac, step_s, nsteps = runs[1]  # the median run; the range shows how much the machine moved it
     print(
         f"\nstep time split at batch {batch} (decode, {nsteps} steps, {step_s * 1e3:.1f} ms/step, median "
@@ -162,7 +174,7 @@ def main() -> None:
     print(f"\nshared system prompt ({len(system)} tokens) + 8..32 own tokens, {n} requests:")
     results = {}
     for on in (True, False):
-        llm = LLM(model, tokenizer, enable_prefix_caching=on)
+        llm = LLM(model, tokenizer, enable_prefix_caching=on, device=device)
         t, _ = run_engine(llm, shared, outs)
         st = llm.stats()
         results[on] = t
@@ -176,15 +188,15 @@ def main() -> None:
             f"hit rate {st.prefix_hit_rate:.1%}"
         )
     print(f"  cache on / off throughput: {results[False] / results[True]:.2f}x")
-    parallel_sampling(model, tokenizer, prompts, n=4 if args.quick else 8)
-    speculative(model, tokenizer, prompts, quick=args.quick)
+    parallel_sampling(model, tokenizer, prompts, n=4 if args.quick else 8, device=device)
+    speculative(model, tokenizer, prompts, quick=args.quick, device=device)
 
 
 DRAFT = "tinypy-draft"  # the bundled draft model of tinypy
 FIELDS = ("name", "size", "color", "owner", "price", "weight", "label", "shape")
 
 
-def speculative(model, tokenizer, prompts, quick: bool) -> None:
+def speculative(model, tokenizer, prompts, quick: bool, device: str) -> None:
     """Speculative vs plain decoding on two workloads, one request at a time and as one batch."""
     n, out_len, repeats = (2, 24, 1) if quick else (8, 96, 3)
     rng = random.Random(1)
@@ -214,10 +226,10 @@ def speculative(model, tokenizer, prompts, quick: bool) -> None:
             times: dict[str, list[float]] = {m: [] for m in methods}
             results = {}
             for c in methods.values():  # warm-up, on engines of its own (their stats are not reported)
-                LLM(model, tokenizer, speculative_config=c).generate(
+                LLM(model, tokenizer, speculative_config=c, device=device).generate(
                     wprompts[0], replace(params, max_tokens=8), use_tqdm=False
                 )
-            llms = {m: LLM(model, tokenizer, speculative_config=c) for m, c in methods.items()}
+            llms = {m: LLM(model, tokenizer, speculative_config=c, device=device) for m, c in methods.items()}
             for _ in range(repeats):  # the methods take turns, so the machine's drift hits them alike
                 for m, llm in llms.items():
                     t0 = time.perf_counter()
@@ -240,13 +252,13 @@ def speculative(model, tokenizer, prompts, quick: bool) -> None:
                 )
 
 
-def parallel_sampling(model, tokenizer, prompts, n: int) -> None:
+def parallel_sampling(model, tokenizer, prompts, n: int, device: str) -> None:
     """One request with n samples vs n requests seeded seed + i (the same tokens), prefix cache off."""
     prompt = [t for p in prompts for t in p][:200]
     print(f"\nparallel sampling: n={n} samples of one {len(prompt)}-token prompt, 32 tokens each:")
     runs = {}
     for together in (True, False):
-        llm = LLM(model, tokenizer, enable_prefix_caching=False, block_size=16)
+        llm = LLM(model, tokenizer, enable_prefix_caching=False, block_size=16, device=device)
         params = SamplingParams(max_tokens=32, temperature=0.8, seed=1, ignore_eos=True)
         t0 = time.perf_counter()
         if together:

@@ -2,6 +2,7 @@
 
     python bench/bench_roofline.py            # a GPT-2-small-shaped model: 12 layers, 768 wide, ~89M parameters
     python bench/bench_roofline.py --quick    # a 2-layer, 256-wide model: a smoke test
+    python bench/bench_roofline.py --device cuda   # the limits, the engine and HF on a GPU (skipped without one)
 
 The limits, measured first:
 
@@ -35,35 +36,44 @@ import time
 import torch
 
 from nanolab import LLM, SamplingParams
+from nanolab.engine.device import DeviceUnavailableError, check_device
 from nanolab.engine.stats import StepRecord
 from nanolab.model.config import ModelConfig
 from nanolab.model.hf import to_hf
 from nanolab.model.transformer import Transformer
 
 
-def best_of(fn, rounds: int) -> float:
+def synchronize(device: torch.device | None) -> None:
+    """Wait for the device's queued work (a GPU runs asynchronously; the CPU has nothing to wait for)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_of(fn, rounds: int, device: torch.device | None = None) -> float:
     """The shortest of ``rounds`` timed calls of ``fn`` (seconds): on a shared machine the slow ones are
     other programs' time."""
     fn()
+    synchronize(device)
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
         fn()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return min(times)
 
 
-def matmul_peak(n: int, rounds: int = 5) -> float:
+def matmul_peak(n: int, device: torch.device, rounds: int = 5) -> float:
     """fp32 FLOP/s of an n x n matrix product."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / best_of(lambda: torch.mm(a, b), rounds)
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    return 2 * n**3 / best_of(lambda: torch.mm(a, b), rounds, device)
 
 
-def memory_bandwidth(megabytes: int, rounds: int = 5) -> float:
+def memory_bandwidth(megabytes: int, device: torch.device, rounds: int = 5) -> float:
     """Bytes per second copying a buffer of ``megabytes`` into another (each byte read once, written once)."""
-    src = torch.ones(megabytes * 2**20 // 4)
+    src = torch.ones(megabytes * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / best_of(lambda: dst.copy_(src), rounds)
+    return 2 * src.numel() * 4 / best_of(lambda: dst.copy_(src), rounds, device)
 
 
 def make_model(config: ModelConfig, seed: int) -> Transformer:
@@ -87,14 +97,20 @@ def matrix_weights(config: ModelConfig) -> int:
 
 
 def decode_rate(
-    model: Transformer, batch: int, prompt_len: int, new_tokens: int, seed: int
+    model: Transformer, batch: int, prompt_len: int, new_tokens: int, seed: int, device: torch.device
 ) -> tuple[float, float]:
     """Tokens/s over the pure decode steps of ``batch`` requests, and the mean context length in them."""
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g).tolist()
     records: list[StepRecord] = []
     llm = LLM(
-        model, None, block_size=16, num_blocks=batch * 8 + 16, max_num_seqs=batch, listeners=[records.append]
+        model,
+        None,
+        block_size=16,
+        num_blocks=batch * 8 + 16,
+        max_num_seqs=batch,
+        listeners=[records.append],
+        device=device,
     )
     llm.generate(
         prompts, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True), use_tqdm=False
@@ -111,8 +127,8 @@ def hf_static(hf, prompts: list[list[int]], new_tokens: int, batch: int) -> tupl
     for i in range(0, len(prompts), batch):
         chunk = prompts[i : i + batch]
         width = max(map(len, chunk))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device=hf.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=hf.device)
         with torch.inference_mode():
             out = hf.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -125,7 +141,17 @@ def hf_static(hf, prompts: list[list[int]], new_tokens: int, batch: int) -> tupl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small model and workload (a smoke test)")
+    parser.add_argument(
+        "--device", default="cpu", help="torch device of the limits, the engine and HF (cpu, cuda, ...)"
+    )
     args = parser.parse_args()
+    try:
+        device = check_device(args.device)
+    except DeviceUnavailableError as e:
+        print(f"bench_roofline: skipped: {e}")
+        return
+    except ValueError as e:
+        parser.error(str(e))
     if args.quick:
         config = ModelConfig(arch="gpt2", vocab_size=512, n_layers=2, n_heads=4, n_kv_heads=4, d_model=256,
                              d_ff=1024, max_seq_len=256)  # fmt: skip
@@ -134,11 +160,13 @@ def main() -> None:
         config = ModelConfig(arch="gpt2", vocab_size=4096, n_layers=12, n_heads=12, n_kv_heads=12, d_model=768,
                              d_ff=3072, max_seq_len=512)  # fmt: skip
         n_mm, megabytes, big_batch, new_tokens, requests = 2048, 256, 64, 32, 32
-    threads = torch.get_num_threads()
-    peak = matmul_peak(n_mm)
-    bandwidth = memory_bandwidth(megabytes)
+    where = f"{torch.get_num_threads()} torch threads"
+    if device.type == "cuda":
+        where = f"{device}: {torch.cuda.get_device_name(device)}"
+    peak = matmul_peak(n_mm, device)
+    bandwidth = memory_bandwidth(megabytes, device)
     print(
-        f"limits ({threads} torch threads): fp32 matmul {peak / 1e9:.1f} GFLOP/s, memory bandwidth {bandwidth / 1e9:.1f} GB/s"
+        f"limits ({where}): fp32 matmul {peak / 1e9:.1f} GFLOP/s, memory bandwidth {bandwidth / 1e9:.1f} GB/s"
     )
 
     model = make_model(config, seed=0)
@@ -147,14 +175,14 @@ def main() -> None:
     print(f"model: {config.arch}, {config.n_layers} layers x {config.d_model} wide, {params / 1e6:.1f}M parameters "
           f"({weights / 1e6:.1f}M in the matrices a token goes through)")  # fmt: skip
 
-    rates = [decode_rate(model, 1, 8, new_tokens, seed) for seed in range(3)]
+    rates = [decode_rate(model, 1, 8, new_tokens, seed, device) for seed in range(3)]
     rate1 = statistics.median(r[0] for r in rates)
     reached = rate1 * 4 * weights
     print(
         f"decode, batch 1: {rate1:7.1f} tokens/s (runs: {', '.join(f'{r[0]:.1f}' for r in rates)}): "
         f"{reached / 1e9:.1f} GB/s of weights read, {reached / bandwidth:.0%} of the measured bandwidth"
     )
-    rates = [decode_rate(model, big_batch, 8, new_tokens, seed) for seed in range(3)]
+    rates = [decode_rate(model, big_batch, 8, new_tokens, seed, device) for seed in range(3)]
     rate64, ctx = statistics.median(r[0] for r in rates), rates[0][1]
     flops = 2 * weights + 4 * config.n_layers * ctx * config.d_model  # the matrices, then q.k and p.v
     print(
@@ -165,9 +193,11 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, config.vocab_size, (int(n),), generator=g).tolist()
                for n in torch.randint(8, 33, (requests,), generator=g)]  # fmt: skip
-    hf = to_hf(model).eval()
+    hf = to_hf(model).to(device).eval()
     hf_seconds, hf_out = hf_static(hf, prompts, new_tokens, 16)
-    engine = LLM(model, None, block_size=16, num_blocks=requests * 8 + 16, max_num_seqs=requests)
+    engine = LLM(
+        model, None, block_size=16, num_blocks=requests * 8 + 16, max_num_seqs=requests, device=device
+    )
     start = time.perf_counter()
     ours = engine.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True),
                            use_tqdm=False)  # fmt: skip

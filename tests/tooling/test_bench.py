@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -61,6 +62,22 @@ def test_bench_engine_quick():
     assert all(a == b for *_, a, b in rows), [r for r in rows if r[-2] != r[-1]]
     kept = re.search(r"^repeats itself\s+batch\s+ngram k=4\s+\S+\s+\S+\s+\(\S+\)\s+(\d+)%", out, re.M)
     assert kept and int(kept.group(1)) > 0, out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the benches on a machine without CUDA")
+@pytest.mark.parametrize("name", ["bench_engine.py", "bench_roofline.py"])
+def test_a_bench_on_a_missing_gpu_says_so_and_stops(name):
+    """``--device cuda`` where torch finds no GPU: the bench says why and exits cleanly, measuring nothing."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / name), "--quick", "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.fullmatch(r"bench_\w+: skipped: device 'cuda' needs .*use device='cpu'\n", proc.stdout), (
+        proc.stdout
+    )
 
 
 @pytest.mark.timeout(600)
