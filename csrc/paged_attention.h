@@ -16,9 +16,11 @@
 // (sequence, up to 16 query rows, a range of kv heads) that threads take from a shared counter: OpenMP's
 // team when built with OpenMP, which is torch's own once torch is imported (torch's pip wheels ship
 // libgomp.so.1 and load it first, and a process loads one library per soname), else std::threads started
-// for the call. An item reads each K/V row of its heads once for all
-// its queries, so GQA query heads that share a kv head share the reads. Every output row is computed
-// by one item in a fixed order, so results do not depend on the batch or the number of threads.
+// for the call. An item works through a sequence's blocks one kv head at a time, so the rows of a block
+// it has loaded serve every query that reads them (the GQA query heads sharing the kv head, and every
+// query row of the item). Dot products, the softmax (with an exp of its own) and the weighted sums of V
+// run on 8-float vectors (GCC and Clang vector extensions), every float sum in a fixed order. Every
+// output row is computed by one item, so results do not depend on the batch or the number of threads.
 #pragma once
 
 #include <cstdint>
