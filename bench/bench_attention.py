@@ -127,7 +127,7 @@ def main() -> None:
     rows = [
         decode_row(s, B, ctx, args.min_time) for s, B, ctx in tqdm(decode_jobs, desc="decode", leave=False)
     ]
-    prefill_jobs = [(SHAPES[0], n, 1024) for n in (1, 4, 16, 64, 256)]
+    prefill_jobs = [(SHAPES[0], n, 1024) for n in (1, 4, 8, 16, 64, 256)]
     prows = [prefill_row(*job, args.min_time) for job in tqdm(prefill_jobs, desc="prefill", leave=False)]
 
     print("\ndecode: ms per call (best); x = time / contiguous SDPA (lower is better)")
