@@ -21,6 +21,12 @@ prompts are short and their steps are left out):
   the output layer included, plus attention over the context so far) is the FLOP/s the decode reached,
   as a share of the measured matmul peak.
 
+Then what bounds both: the model's matrix products alone (every `nn.Linear` a token goes through, the
+output layer included, on random rows and nothing else) at 16, 32 and 64 rows, as a share of the matmul
+peak. Batch-64 decode can reach at most the 64-row figure; and since HF's static batches of 16 take
+two products of 16 rows where the engine takes one of 32, twice the 16-row time over the 32-row time
+bounds how much faster than HF the engine can be, before HF's own per-step overhead.
+
 Last, 32 requests of 32 tokens, greedy: nanolab's `LLM` against Hugging Face transformers' ``generate`` in
 left-padded static batches of 16 on the same weights (`nanolab.model.hf.to_hf`), tokens/s and the ratio,
 and how many outputs are identical (a random model has near-ties between its top two logits, where the
@@ -120,6 +126,19 @@ def decode_rate(
     return tokens / sum(r.step_seconds for r in decode), prompt_len + new_tokens / 2
 
 
+def products_seconds(model: Transformer, rows: int, device: torch.device) -> float:
+    """Seconds for ``rows`` token rows to go through every matrix of ``model`` once (best of several)."""
+    linears = list(dict.fromkeys(m for m in model.modules() if isinstance(m, torch.nn.Linear)))
+    inputs = {m.in_features: torch.randn(rows, m.in_features, device=device) for m in linears}
+
+    def run() -> None:
+        with torch.inference_mode():
+            for m in linears:
+                m(inputs[m.in_features])
+
+    return best_of(run, 5, device)
+
+
 def hf_static(hf, prompts: list[list[int]], new_tokens: int, batch: int) -> tuple[float, list[list[int]]]:
     """Seconds and outputs of HF generate, greedy, in left-padded static batches of ``batch``."""
     outputs = []
@@ -188,6 +207,17 @@ def main() -> None:
     print(
         f"decode, batch {big_batch}: {rate64:7.1f} tokens/s (runs: {', '.join(f'{r[0]:.1f}' for r in rates)}): "
         f"{rate64 * flops / 1e9:.1f} GFLOP/s, {rate64 * flops / peak:.0%} of the measured matmul peak"
+    )
+
+    seconds = {rows: products_seconds(model, rows, device) for rows in sorted({16, 32, big_batch})}
+    print(
+        "matrix products alone: "
+        + ", ".join(
+            f"{rows} rows {t * 1e3:.1f} ms ({2 * weights * rows / t / peak:.0%} of peak)"
+            for rows, t in seconds.items()
+        )
+        + f"; HF's two batches of 16 over the engine's one of 32: {2 * seconds[16] / seconds[32]:.2f}x at most, "
+        "before HF's per-step overhead"
     )
 
     g = torch.Generator().manual_seed(1)

@@ -97,6 +97,8 @@ def test_bench_roofline_quick():
     )
     assert re.search(r"decode, batch 1: .* of the measured bandwidth", out), out
     assert re.search(r"decode, batch \d+: .* of the measured matmul peak", out), out
+    products = re.search(r"matrix products alone: 8 rows .*, 16 rows .*, 32 rows .*: ([\d.]+)x at most", out)
+    assert products and float(products.group(1)) > 0, out
     same = re.search(r"identical outputs (\d+) of (\d+)", out)
     assert same and same.group(1) == same.group(2), (
         out
