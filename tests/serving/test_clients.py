@@ -59,17 +59,6 @@ TEXTS = [
 ]
 
 
-def clients_bin() -> Path:
-    venv = Path(os.environ.get("NANOLAB_CLIENTS_VENV") or REPO / ".venv-clients")
-    found = venv / "bin"
-    if not ((found / "lm_eval").exists() and (found / "guidellm").exists()):
-        message = f"lm-eval and guidellm are not installed in {venv} (`make clients` installs them)"
-        if os.environ.get("NANOLAB_CLIENT_TEST") == "required":
-            pytest.fail(message)
-        pytest.skip(message)
-    return found
-
-
 def run_client(args: list[str], cwd: Path, timeout: float = 300) -> str:
     """Run a client command offline (no hub, no telemetry); fail with its output if it fails."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
@@ -83,7 +72,15 @@ def run_client(args: list[str], cwd: Path, timeout: float = 300) -> str:
 
 @pytest.fixture(scope="module")
 def bin_dir() -> Path:
-    return clients_bin()
+    """The clients' environment's bin/: skipped where it is missing, failed where CI requires it."""
+    venv = Path(os.environ.get("NANOLAB_CLIENTS_VENV") or REPO / ".venv-clients")
+    found = venv / "bin"
+    if not ((found / "lm_eval").exists() and (found / "guidellm").exists()):
+        message = f"lm-eval and guidellm are not installed in {venv} (`make clients` installs them)"
+        if os.environ.get("NANOLAB_CLIENT_TEST") == "required":
+            pytest.fail(message)
+        pytest.skip(message)
+    return found
 
 
 @pytest.fixture(scope="module")
