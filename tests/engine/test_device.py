@@ -16,7 +16,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from helpers.engine_utils import compare_greedy, random_prompts, reference_greedy, tiny_model
+from helpers.engine_utils import compare_greedy, noisy_copy, random_prompts, reference_greedy, tiny_model
 
 from nanolab.engine.config import EngineConfig
 from nanolab.engine.device import DeviceUnavailableError, check_device
@@ -38,16 +38,6 @@ def model():
 @pytest.fixture(scope="module")
 def draft(model):
     return noisy_copy(model)
-
-
-def noisy_copy(model, noise: float = 0.3, seed: int = 0):
-    """A draft that mostly agrees with ``model``: its weights moved by ``noise`` times their own scale."""
-    draft = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(noise * p.std() * torch.randn(p.shape, generator=g))
-    return draft.eval()
 
 
 # Requests that reach every tensor a step makes: long prompts in chunks, a shared prefix, greedy and seeded

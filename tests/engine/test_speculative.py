@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from helpers.engine_utils import compare_greedy, random_prompts, reference_greedy, tiny_model
+from helpers.engine_utils import compare_greedy, noisy_copy, random_prompts, reference_greedy, tiny_model
 
 from nanolab.engine.config import EngineConfig
 from nanolab.engine.llm import LLM
@@ -353,18 +353,6 @@ def test_a_speculator_of_ones_own_plugs_in_whole(model, workload, record_propert
 
 
 # -- the engine: a draft model ------------------------------------------------------------------------
-
-
-def noisy_copy(model, noise: float, seed: int = 0):
-    """``model`` with every weight moved by ``noise`` times its own scale: a draft that mostly agrees."""
-    import copy
-
-    draft = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(noise * p.std() * torch.randn(p.shape, generator=g))
-    return draft.eval()
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ between its top two logits is below `TIE_GAP`, and it counts those ties so tests
 
 from __future__ import annotations
 
+import copy
 import random
 
 import torch
@@ -50,6 +51,16 @@ def spread_out(model: Transformer, seed: int = 0, std: float = 0.15) -> Transfor
             noise = torch.randn(p.shape, generator=g)
             p.copy_(1 + 0.1 * noise if "norm" in name and name.endswith("weight") else std * noise)
     return model.eval()
+
+
+def noisy_copy(model: Transformer, noise: float = 0.3, seed: int = 0) -> Transformer:
+    """``model`` with every weight moved by ``noise`` times its own scale: a draft that mostly agrees."""
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(noise * p.std() * torch.randn(p.shape, generator=g))
+    return draft.eval()
 
 
 def random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0, shared: int = 0) -> list[list[int]]:
