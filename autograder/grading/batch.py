@@ -2,7 +2,10 @@
 
 A worker is a process of the grader (trusted: it runs pytest and the reference) that grades one
 notebook and ends, so nothing a notebook does to its worker (its limits, its memory, the modules it
-imported) reaches another notebook. It reports as it goes over a pipe: the tests it collected, each
+imported) reaches another notebook. Workers are forked from a fork server that has imported the grader and
+the labs' big modules once (`autograder.grading.zygote`), so each starts without importing torch again; they
+take the batch's environment as it is when they start, not the server's. Where there is no fork server
+(Windows), each worker is a fresh interpreter. It reports as it goes over a pipe: the tests it collected, each
 test's verdict, then the whole result.
 
 Whatever happens, every notebook gets a result:
@@ -16,6 +19,7 @@ Whatever happens, every notebook gets a result:
 from __future__ import annotations
 
 import multiprocessing
+import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -74,7 +78,7 @@ def _run(
     watchdog_s: float,
     on_result: Callable[[int, SubmissionResult], None],
 ) -> list[SubmissionResult]:
-    context = multiprocessing.get_context("spawn")
+    context = _context()
     results: dict[int, SubmissionResult] = {}
     waiting, running = list(enumerate(paths)), []
 
@@ -91,9 +95,13 @@ def _run(
         while waiting and len(running) < max(1, jobs):
             index, path = waiting.pop(0)
             ours, theirs = context.Pipe()
-            process = context.Process(target=task, args=(theirs,), daemon=True)
+            process = context.Process(target=_start, args=(theirs, task), daemon=True)
             process.start()
             theirs.close()
+            try:
+                ours.send(dict(os.environ))
+            except OSError:  # it died at once; its sentinel says so below
+                pass
             running.append(_Job(index, path, process, ours, tempfile.mkdtemp(prefix="nanolab-worker-")))
             starting.append(running[-1])
         if callable(args):
@@ -119,6 +127,25 @@ def _run(
                 job.process.kill()
                 finish(job, _stopped(job, watchdog_s))
     return [results[i] for i in range(len(paths))]
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    """Where workers come from: the fork server, its preload set before its first start (it is one per
+    process; one started earlier by other code keeps its own preload, and workers import what it lacks)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["autograder.grading.zygote"])
+    return context
+
+
+def _start(conn: Connection, task: Task) -> None:
+    """A worker's first step: the batch's environment as it is now (a forked worker has the fork server's,
+    from when that started), then the task."""
+    environment = conn.recv()
+    os.environ.clear()
+    os.environ.update(environment)
+    task(conn)
 
 
 def _drain(job: _Job) -> None:
