@@ -2,12 +2,14 @@
 
     python scripts/run_solutions.py                   # all of solutions/lab*.ipynb
     python scripts/run_solutions.py solutions/lab01_tokenizer.ipynb
+    python scripts/run_solutions.py --jobs 2          # two kernels at a time
 
 Notebooks run with nbclient on the ``python3`` kernel of this interpreter's environment (registered
 inside it with ``python -m ipykernel install --sys-prefix`` if it is missing), on the CPU, with the
 notebook's own folder as the working directory. Executed copies go to build/solutions/, never back
 into solutions/. Each notebook must finish within ``--timeout`` seconds (default 120); the time each
-one took is printed.
+one took is printed. ``--jobs N`` runs N notebooks at a time, each on a kernel of its own (a kernel mostly
+keeps one core busy).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -39,8 +42,9 @@ def ensure_kernel() -> None:
     )
 
 
-def run_notebook(path: Path, timeout: float) -> float:
-    """Execute ``path`` and write the executed copy to build/solutions/; returns the seconds it took."""
+def run_notebook(path: Path, timeout: float, out: Path | None = None) -> float:
+    """Execute ``path`` and write the executed copy to ``out`` (default build/solutions/); returns the seconds
+    it took."""
     from nbclient import NotebookClient
 
     nb = nbformat.read(str(path), as_version=4)
@@ -59,9 +63,25 @@ def run_notebook(path: Path, timeout: float) -> float:
         }
     )
     elapsed = time.perf_counter() - start
-    OUT.mkdir(parents=True, exist_ok=True)
-    nbformat.write(nb, str(OUT / path.name))
+    out = OUT if out is None else out
+    out.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, str(out / path.name))
     return elapsed
+
+
+def run_notebooks(paths: list[Path], timeout: float, jobs: int = 1, out: Path | None = None):
+    """Run ``paths``, ``jobs`` at a time; yields ``(path, seconds or the exception it raised)`` as each ends."""
+
+    def one(path: Path) -> tuple[Path, float | Exception]:
+        try:
+            return path, run_notebook(path, timeout, out)
+        except Exception as e:  # nbclient's CellExecutionError carries the cell and its traceback
+            return path, e
+
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        futures = [pool.submit(one, path) for path in paths]
+        for future in futures:
+            yield future.result()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--timeout", type=float, default=120.0, help="seconds each notebook may take (default 120)"
     )
+    parser.add_argument("--jobs", type=int, default=1, help="notebooks run at a time (default 1)")
     args = parser.parse_args(argv)
     notebooks = args.notebooks or sorted((ROOT / "solutions").glob("lab*.ipynb"))
     if not notebooks:
@@ -77,13 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     ensure_kernel()
     failed = []
-    for path in notebooks:
-        print(f"running   {path.name} ...", flush=True)
-        try:
-            elapsed = run_notebook(path.resolve(), args.timeout)
-        except Exception as e:  # nbclient's CellExecutionError carries the cell and its traceback
+    print(f"running   {len(notebooks)} notebook(s), {max(1, args.jobs)} at a time ...", flush=True)
+    for path, elapsed in run_notebooks([p.resolve() for p in notebooks], args.timeout, args.jobs):
+        if isinstance(elapsed, Exception):
             failed.append(path.name)
-            print(f"FAILED    {path.name}\n{e}", file=sys.stderr)
+            print(f"FAILED    {path.name}\n{elapsed}", file=sys.stderr)
             continue
         if elapsed > args.timeout:
             failed.append(path.name)

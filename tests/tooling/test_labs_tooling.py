@@ -102,17 +102,29 @@ def test_check_notebooks_reports_bad_nbgrader_metadata(tmp_path):
     )
 
 
+@pytest.fixture(scope="module")
+def executed_solutions(tmp_path_factory) -> tuple[Path, dict[str, float | Exception], dict[str, str]]:
+    """Every solution notebook run top to bottom, two kernels at a time (a kernel mostly keeps one core busy),
+    the labs with the most to run first: the folder of the executed copies, each one's seconds or error, and
+    each one's text before it ran."""
+    out = tmp_path_factory.mktemp("executed")
+    before = {path.name: path.read_text() for path in SOLUTIONS}
+    run_solutions.ensure_kernel()
+    ran = run_solutions.run_notebooks(sorted(SOLUTIONS, reverse=True), timeout=120, jobs=2, out=out)
+    return out, {path.name: outcome for path, outcome in ran}, before
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("source", SOLUTIONS, ids=lambda p: p.name)
-def test_solution_notebook_runs_top_to_bottom_on_a_real_kernel(source, tmp_path, monkeypatch):
-    monkeypatch.setattr(run_solutions, "OUT", tmp_path)
-    run_solutions.ensure_kernel()
-    run_solutions.run_notebook(source, timeout=120)
-    executed = json.loads((tmp_path / source.name).read_text())
+def test_solution_notebook_runs_top_to_bottom_on_a_real_kernel(source, executed_solutions):
+    out, outcomes, before = executed_solutions
+    if isinstance(outcomes[source.name], Exception):
+        raise outcomes[source.name]
+    executed = json.loads((out / source.name).read_text())
     outputs = [o for c in executed["cells"] if c["cell_type"] == "code" for o in c["outputs"]]
     assert not [o for o in outputs if o["output_type"] == "error"]
     assert any("all checks passed" in "".join(o.get("text", "")) for o in outputs)
-    assert json.loads(source.read_text()) == json.loads(source.read_text())  # solutions/ untouched
+    assert source.read_text() == before[source.name]  # solutions/ untouched
     assert all(c.get("outputs", []) == [] for c in json.loads(source.read_text())["cells"])
 
 
