@@ -11,15 +11,16 @@ kept by the standard library's ``unittest`` (`ExceptionCatcher`), so no code of 
 The race. Calls through handles go one at a time (the sandbox has one pipe), so threads here could never
 make the learner's `admit` run twice at once. The threads are made in the sandbox instead, from the standard
 library alone, built here through handles (`_SandboxRace`): a `concurrent.futures.ThreadPoolExecutor` of 8
-workers, and for each of 3,000 fresh admissions 8 tasks that meet at a `threading.Barrier` of that admission
+workers, and for each of 300 fresh admissions 8 tasks that meet at a `threading.Barrier` of that admission
 and then call ``admit(1)`` until it refuses (an iterator of ones mapped through ``admit``), with the interpreter
 told to switch threads as often as it can. How far each task got is read back from its iterator. Under
 CPython's GIL a check and a count with no call between them could not be split, so each max_waiting is an int
-whose comparisons are Python functions (functools' total-ordering helpers), as the visible check's is: comparing
-with the limit is a point where another thread may run, as it may anywhere in a busier or a free-threaded
-interpreter. A check and a count that are not one step under a lock then let one place too many through at
-roughly 1 in 100 to 1 in 20 admissions here, so 3,000 of them miss it with odds far below one in a thousand; a
-correct admission is exact every time. Feedback says what is wrong and on which input, never the expected
+whose comparisons first give up the GIL (``time.sleep(0)``), as the visible check's do: comparing with the
+limit is a point where another thread runs, as it may anywhere in a busier or a free-threaded interpreter. The
+class is made in the sandbox by ``exec`` of `_YIELDING_LIMIT` in a module of its own. A check and a count that
+are not one step under a lock then let one place too many through at nearly every admission, on one core as on
+many (comparisons that only made the interpreter switch threads when its switch interval ran out missed it in
+about one run in three on one core); a correct admission is exact every time. Feedback says what is wrong and on which input, never the expected
 answer.
 """
 
@@ -672,6 +673,31 @@ def test_admission_counts_like_nanolab(lab, rng):
         play_admission(lab, catcher, random_admission_ops(rng), rng, rng.randint(30, 70))
 
 
+# max_waiting for the race: an int whose comparisons let another thread run first (the GIL is given up while
+# sleeping), then compare as int's do.
+_YIELDING_LIMIT = """
+import time
+
+
+class YieldingLimit(int):
+    def __lt__(self, other):
+        time.sleep(0)
+        return int.__lt__(self, other)
+
+    def __le__(self, other):
+        time.sleep(0)
+        return int.__le__(self, other)
+
+    def __gt__(self, other):
+        time.sleep(0)
+        return int.__gt__(self, other)
+
+    def __ge__(self, other):
+        time.sleep(0)
+        return int.__ge__(self, other)
+"""
+
+
 class _SandboxRace:
     """Threads in the sandbox racing for the places of the learner's Admissions, built here through handles from
     the standard library alone (see the module docstring). Everything is made in bulk (a few calls in all, however
@@ -688,12 +714,11 @@ class _SandboxRace:
             load("functools"),
             load("collections").deque,
         )
-        # An int whose <=, > and < are Python functions (functools' total-ordering helpers, down to int's >=):
-        # the check against the limit is then a point where the interpreter may switch threads, as a busier or
-        # a free-threaded interpreter would anywhere, so a check and a count that are not one step race.
-        f = self.functools
-        methods = {"__le__": f._le_from_lt, "__gt__": f._gt_from_lt, "__lt__": f._lt_from_ge}
-        self.limit = self.b.type("YieldingLimit", (lab.ref(self.b, "int"),), methods)
+        # `_YIELDING_LIMIT`, made in a module of its own: the check against the limit is then a point where
+        # another thread runs, so a check and a count that are not one step race.
+        module = load("types").ModuleType("nanolab_race")
+        self.b.exec(_YIELDING_LIMIT, lab.ref(module, "__dict__"))
+        self.limit = module.YieldingLimit
 
     def run(self, limits: list[int], threads: int, tries: int) -> list[tuple[int, int]]:
         """A fresh Admission(limit, 1) per limit (a `YieldingLimit`); for each in turn, ``threads`` workers that meet at a barrier of
@@ -738,8 +763,8 @@ class _SandboxRace:
 
 @pytest.mark.points(1)
 def test_admission_lets_exactly_max_waiting_through_racing_threads(lab, rng):
-    """Admission lets exactly max_waiting one-prompt adds through when 8 threads of the sandbox ask at once, each until it is refused, for the places of each of 1,000 fresh admissions (a check and its count are one step under a lock)"""
-    limits = [rng.choice([1, 2, 3, 5]) for _ in range(1000)]
+    """Admission lets exactly max_waiting one-prompt adds through when 8 threads of the sandbox ask at once, each until it is refused, for the places of each of 300 fresh admissions (a check and its count are one step under a lock)"""
+    limits = [rng.choice([1, 2, 3, 5]) for _ in range(300)]
     try:
         got = _SandboxRace(lab).run(limits, 8, 12)
     except RemoteError as e:

@@ -27,8 +27,8 @@ SOLUTION = ROOT / "solutions" / "lab08_serving.ipynb"
 LAB = ROOT / "labs" / "lab08_serving.ipynb"
 LIMITS = Limits(call_timeout_s=30, load_timeout_s=30, cpu_s=300, notebook_s=300)
 
-# Admission.admit: its check and count under the lock; and without the lock, a log line between them (a check and
-# a count with no call between them cannot be split by CPython's GIL, so dropping the lock alone never races).
+# Admission.admit: its check and count under the lock; and the same with the lock dropped, nothing else changed (the
+# race test's limit gives up the GIL when compared, so a check and a count with no call between them race too).
 LOCKED_ADMIT = """        with self._lock:
             if self.max_waiting is not None and (waiting := self.waiting) >= self.max_waiting:
                 raise ServerOverloaded(
@@ -37,8 +37,10 @@ LOCKED_ADMIT = """        with self._lock:
                 )
             self._sent += num_prompts"""
 UNLOCKED_ADMIT = """        if self.max_waiting is not None and (waiting := self.waiting) >= self.max_waiting:
-            raise ServerOverloaded(f"{waiting} requests are waiting", self.retry_after)
-        log.debug("admitted %d prompts", num_prompts)
+            raise ServerOverloaded(
+                f"{waiting} requests are waiting, the limit is {self.max_waiting}: try again in {self.retry_after} s",
+                self.retry_after,
+            )
         self._sent += num_prompts"""
 
 PLANTED_BUGS = {
