@@ -98,6 +98,7 @@ class LearnersEngine(EngineClient):
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.crashed: str | None = None
+        self._crash_lock = threading.Lock()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -123,6 +124,9 @@ class LearnersEngine(EngineClient):
 
     def _send(self, cmd) -> None:
         self._commands.put(cmd)
+        if self.crashed:  # the loop died after the caller checked is_running: refuse what it will never see
+            with self._crash_lock:
+                self._fail_everything(f"the engine loop failed: {self.crashed}")
 
     def _receive(self, timeout: float | None):
         try:
@@ -134,8 +138,9 @@ class LearnersEngine(EngineClient):
         try:
             self._loop()
         except Exception as exc:  # the learner's code raised, or a call into the sandbox failed or timed out
-            self.crashed = f"{type(exc).__name__}: {str(exc)[:300]}"
-            self._fail_everything(f"the engine loop failed: {self.crashed}")
+            with self._crash_lock:
+                self.crashed = f"{type(exc).__name__}: {str(exc)[:300]}"
+                self._fail_everything(f"the engine loop failed: {self.crashed}")
 
     def _loop(self) -> None:
         loop, lab = self.learners, self.lab
