@@ -679,28 +679,22 @@ _YIELDING_LIMIT = """
 import time
 
 
+def _yielding(compare):
+    def method(self, other):
+        time.sleep(0)
+        return compare(self, other)
+
+    return method
+
+
 class YieldingLimit(int):
-    def __lt__(self, other):
-        time.sleep(0)
-        return int.__lt__(self, other)
-
-    def __le__(self, other):
-        time.sleep(0)
-        return int.__le__(self, other)
-
-    def __gt__(self, other):
-        time.sleep(0)
-        return int.__gt__(self, other)
-
-    def __ge__(self, other):
-        time.sleep(0)
-        return int.__ge__(self, other)
+    __lt__, __le__, __gt__, __ge__ = map(_yielding, (int.__lt__, int.__le__, int.__gt__, int.__ge__))
 """
 
 
 class _SandboxRace:
     """Threads in the sandbox racing for the places of the learner's Admissions, built here through handles from
-    the standard library alone (see the module docstring). Everything is made in bulk (a few calls in all, however
+    the standard library and `_YIELDING_LIMIT` (see the module docstring). Everything is made in bulk (a few calls in all, however
     many admissions), and kept in the sandbox until the counts are read back."""
 
     def __init__(self, lab) -> None:
