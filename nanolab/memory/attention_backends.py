@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +22,8 @@ from nanolab.memory.paging import cdiv
 from nanolab.model.attention import chunk_mask, sdpa
 
 Backend = Literal["auto", "cpp", "torch"]
+
+_CPU = torch.device("cpu")
 
 HAS_CPP_KERNEL = _ext.HAS_C and hasattr(_ext._C, "paged_attention")
 """True when nanolab._C is in use and has the paged-attention kernel."""
@@ -230,14 +233,35 @@ def cpp_attention(
     def ints(t: torch.Tensor):
         return t.detach().to(torch.int32).contiguous().numpy()
 
-    out = _ext._C.paged_attention(
-        q.detach().contiguous().numpy(),
+    return run_kernel(
+        q.detach().numpy(),
         k_cache.detach().numpy(),
         v_cache.detach().numpy(),
         ints(block_tables),
         ints(context_lens),
         None if query_start_loc is None else ints(query_start_loc),
         float(scale),
-        torch.get_num_threads(),
     )
-    return torch.as_tensor(out, device="cpu")  # zero-copy like from_numpy, and names its device
+
+
+def run_kernel(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    block_tables: np.ndarray,
+    context_lens: np.ndarray,
+    query_start_loc: np.ndarray | None,
+    scale: float,
+) -> torch.Tensor:
+    """``nanolab._C.paged_attention`` on arrays made ready: the caches float32 and contiguous, the index
+    arrays int32. q may be a strided view, copied into one contiguous array on the way in.
+
+    `cpp_attention` makes these arrays from tensors for each call; the paged KV cache makes its pools'
+    views once and its index arrays once per step, then calls this in every layer. Each Python call
+    made around the kernel costs several times its usual time here, because the kernel has just
+    streamed the keys and values through the core's caches.
+    """
+    out = _ext._C.paged_attention(
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, torch.get_num_threads()
+    )
+    return torch.as_tensor(out, device=_CPU)  # zero-copy like from_numpy, and names its device

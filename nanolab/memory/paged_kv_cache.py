@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from nanolab.memory import attention_backends as _backends
-from nanolab.memory.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
+from nanolab.memory.paged_attention import paged_decode_attention, paged_prefill_attention
 from nanolab.memory.paging import slot_mapping, slot_of
 from nanolab.model.attention import sdpa
 from nanolab.model.config import ModelConfig
@@ -73,6 +73,16 @@ class PagedKVCache:
             and dtype == torch.float32
             and self.device.type == "cpu"
         )
+        # What every layer's `attend` hands the C++ kernel, made once: NumPy views of the pools (None
+        # where the kernel cannot run this cache), and each pool flattened to its slots for the writes.
+        self._pool_arrays = (
+            [(k.numpy(), v.numpy()) for k, v in zip(self.k, self.v)] if self._batch_short else None
+        )
+        self._slot_views = [
+            (k.view(-1, num_kv_heads, config.head_dim), v.view(-1, num_kv_heads, config.head_dim))
+            for k, v in zip(self.k, self.v)
+        ]
+        self._only_decodes = False
 
     @property
     def nbytes(self) -> int:
@@ -105,7 +115,14 @@ class PagedKVCache:
         for table, start, n in chunks:
             slots += slot_mapping(table, start, start + n, block_size)
             positions += range(start, start + n)
-        self._slots = torch.as_tensor(np.array(slots, dtype=np.int64), device=device)
+        slots_np = np.array(slots, dtype=np.int64)
+        if slots and (slots_np.min() < 0 or slots_np.max() >= self.num_blocks * block_size):
+            bad = int(slots_np.min()) if slots_np.min() < 0 else int(slots_np.max())
+            raise ValueError(
+                f"a block table holds slot {bad}, but the pool has {self.num_blocks * block_size} slots "
+                f"({self.num_blocks} blocks of {block_size}); slot = block_id * block_size + offset"
+            )
+        self._slots = torch.as_tensor(slots_np, device=device)  # checked here once, not in every layer
         self._num_decodes = n_dec
         if n_dec:
             width = max(len(s.block_table) for s in decodes)
@@ -114,10 +131,12 @@ class PagedKVCache:
             for s in decodes:
                 flat += s.block_table
                 flat += pad[len(s.block_table) :]
-            self._dec_tables = torch.as_tensor(
-                np.array(flat, dtype=np.int32).reshape(n_dec, width), device=device
+            self._dec_arrays = (
+                np.array(flat, dtype=np.int32).reshape(n_dec, width),
+                np.array(positions[:n_dec], dtype=np.int32) + 1,
             )
-            self._dec_lens = torch.as_tensor(np.array(positions[:n_dec], dtype=np.int32) + 1, device=device)
+            self._dec_tables = torch.as_tensor(self._dec_arrays[0], device=device)
+            self._dec_lens = torch.as_tensor(self._dec_arrays[1], device=device)
         # Prefill chunks: (first row, last row, block table, context length, starts at 0?)
         self._prefills = []
         short: list[tuple[int, SeqSlice]] = []  # (first row, chunk) of the short chunks after a prefix
@@ -139,12 +158,8 @@ class PagedKVCache:
                 tables[i, : len(s.block_table)] = s.block_table
             lens = np.array([s.start_pos + s.num_new for _, s in short], dtype=np.int32)
             starts = np.cumsum([0] + [s.num_new for _, s in short], dtype=np.int32)
-            self._short = (
-                torch.tensor(rows, dtype=torch.long, device=device),
-                torch.as_tensor(tables, device=device),
-                torch.as_tensor(lens, device=device),
-                torch.as_tensor(starts, device=device),
-            )
+            self._short = (torch.tensor(rows, dtype=torch.long, device=device), tables, lens, starts)
+        self._only_decodes = 0 < n_dec == len(seqs)  # then `attend` returns the decodes' output as it is
         return torch.as_tensor(np.array(positions, dtype=np.int64), device=device)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -171,17 +186,41 @@ class PagedKVCache:
             v[dst] = v[src]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # The work between kernel calls is all Python and small, so it is kept to a few calls per layer:
+        # the slots were checked in `prepare`, and the kernel gets arrays made before the first layer.
+        k_slots, v_slots = self._slot_views[layer]
+        k_slots.index_copy_(0, self._slots, k.to(k_slots.dtype))
+        v_slots.index_copy_(0, self._slots, v.to(v_slots.dtype))
         k_cache, v_cache = self.k[layer], self.v[layer]
-        write_kv(k_cache, v_cache, self._slots, k, v)
-        out = torch.empty_like(q)  # (T, nh, hs)
+        kernel = self._pool_arrays is not None and q.dtype == torch.float32 and not q.requires_grad
         n = self._num_decodes
-        if n:
-            out[:n] = paged_decode_attention(
+        if n and kernel:
+            decoded = _backends.run_kernel(
+                q[:n].numpy(), *self._pool_arrays[layer], *self._dec_arrays, None, self.scale
+            )
+        elif n:
+            decoded = paged_decode_attention(
                 q[:n], k_cache, v_cache, self._dec_tables, self._dec_lens, self.scale, backend=self.backend
             )
+        if self._only_decodes:
+            return decoded
+        out = torch.empty_like(q)  # (T, nh, hs)
+        if n:
+            out[:n] = decoded
         if self._short is not None:
             rows, tables, lens, starts = self._short
-            out[rows] = _backends.cpp_attention(q[rows], k_cache, v_cache, tables, lens, starts, self.scale)
+            if kernel:
+                out[rows] = _backends.run_kernel(
+                    q[rows].numpy(), *self._pool_arrays[layer], tables, lens, starts, self.scale
+                )
+            else:
+                out[rows] = _backends.cpp_attention(
+                    q[rows],
+                    k_cache,
+                    v_cache,
+                    *(torch.as_tensor(x) for x in (tables, lens, starts)),
+                    self.scale,
+                )
         for first, last, table, context_len, fresh in self._prefills:
             if fresh:
                 # Nothing cached before this chunk: plain causal attention over the chunk itself.
