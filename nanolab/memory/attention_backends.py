@@ -35,16 +35,18 @@ checks of a few guessed tokens fall under it."""
 
 
 def _is_int(t: torch.Tensor) -> bool:
-    return not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool
+    dtype = t.dtype
+    return not dtype.is_floating_point and not dtype.is_complex and dtype is not torch.bool
 
 
 def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """k_cache and v_cache are (num_blocks, block_size, n_kv_heads, head_dim) twins."""
-    if k_cache.dim() != 4:
+    shape = k_cache.shape
+    if len(shape) != 4:
         raise ValueError(
-            f"k_cache must be (num_blocks, block_size, n_kv_heads, head_dim), got shape {tuple(k_cache.shape)}"
+            f"k_cache must be (num_blocks, block_size, n_kv_heads, head_dim), got shape {tuple(shape)}"
         )
-    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+    if v_cache.shape != shape or v_cache.dtype != k_cache.dtype:
         raise ValueError(
             f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache {tuple(v_cache.shape)} "
             f"{v_cache.dtype} must match in shape and dtype"
@@ -63,17 +65,19 @@ def check_layout(
     """Shapes and dtypes of a paged-attention call (cheap: no tensor is read)."""
     check_cache(k_cache, v_cache)
     n_kv_heads, head_dim = k_cache.shape[2:]
-    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % n_kv_heads:
+    q_shape = q.shape
+    if len(q_shape) != 3 or q_shape[2] != head_dim or q_shape[1] % n_kv_heads:
         raise ValueError(
             f"q must be (tokens, n_heads, head_dim) with head_dim {head_dim} and n_heads a multiple of "
             f"n_kv_heads {n_kv_heads} (the cache's), got shape {tuple(q.shape)}"
         )
-    if block_tables.dim() != 2 or not _is_int(block_tables):
+    tables_shape = block_tables.shape
+    if len(tables_shape) != 2 or not _is_int(block_tables):
         raise ValueError(
             f"block_tables must be an integer (B, max_blocks_per_seq) tensor, got "
             f"{block_tables.dtype} of shape {tuple(block_tables.shape)}"
         )
-    if context_lens.shape != (block_tables.shape[0],) or not _is_int(context_lens):
+    if context_lens.shape != tables_shape[:1] or not _is_int(context_lens):
         raise ValueError(
             f"context_lens must be an integer (B,) tensor with B = {block_tables.shape[0]} (the rows of "
             f"block_tables), got {context_lens.dtype} of shape {tuple(context_lens.shape)}"
@@ -147,9 +151,12 @@ def resolve(
         return "cpp"
     if backend != "auto":
         raise ValueError(f"backend must be 'auto', 'cpp' or 'torch', got {backend!r}")
-    fits = all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (q, k_cache, v_cache))
-    grad = torch.is_grad_enabled() and q.requires_grad
-    return "cpp" if HAS_CPP_KERNEL and fits and not grad and prefill_len <= AUTO_CPP_MAX_PREFILL else "torch"
+    fits = HAS_CPP_KERNEL and prefill_len <= AUTO_CPP_MAX_PREFILL and _cpu_float32(q, k_cache, v_cache)
+    return "cpp" if fits and not (q.requires_grad and torch.is_grad_enabled()) else "torch"
+
+
+def _cpu_float32(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype is torch.float32 and t.is_cpu for t in tensors)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
@@ -217,21 +224,24 @@ def cpp_attention(
     context_lens: torch.Tensor,
     query_start_loc: torch.Tensor | None,
     scale: float,
+    checked: bool = False,
 ) -> torch.Tensor:
     """Runs ``nanolab._C.paged_attention`` on zero-copy numpy views (None query_start_loc: decode).
 
     The caches are read in place, so a cache that is not contiguous float32 on the CPU is an error
-    here rather than a silent copy of the whole pool. The small index tensors are cast to int32.
+    here rather than a silent copy of the whole pool (``checked``: `resolve` has found q and the
+    caches float32 on the CPU already). The small index tensors are cast to int32.
     """
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != torch.float32 or t.device.type != "cpu":
-            raise ValueError(
-                f"the C++ kernel needs float32 CPU tensors but {name} is {t.dtype} on {t.device}; "
-                "use backend='torch' for other dtypes and devices"
-            )
+    if not (checked or _cpu_float32(q, k_cache, v_cache)):
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if not _cpu_float32(t):
+                raise ValueError(
+                    f"the C++ kernel needs float32 CPU tensors but {name} is {t.dtype} on {t.device}; "
+                    "use backend='torch' for other dtypes and devices"
+                )
 
-    def ints(t: torch.Tensor):
-        return t.detach().to(torch.int32).contiguous().numpy()
+    def ints(t: torch.Tensor):  # an int tensor never needs grad; a strided one is copied on the way in
+        return (t if t.dtype is torch.int32 else t.to(torch.int32)).numpy()
 
     return run_kernel(
         q.detach().numpy(),

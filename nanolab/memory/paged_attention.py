@@ -103,16 +103,20 @@ def paged_decode_attention(
     Every decode sequence goes through one call (one kernel launch per layer, whatever B is).
     """
     _backends.check_layout(q, k_cache, v_cache, block_tables, context_lens)
-    if q.shape[0] != block_tables.shape[0]:
+    B, _, head_dim = q.shape
+    if B != block_tables.shape[0]:
         raise ValueError(
-            f"decode takes one query token per sequence: q has {q.shape[0]} tokens but block_tables "
+            f"decode takes one query token per sequence: q has {B} tokens but block_tables "
             f"has {block_tables.shape[0]} rows"
         )
-    scale = _default_scale(q, scale)
-    if q.shape[0] == 0:
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if B == 0:
         return q.new_empty(q.shape)
+    # Every call costs a Python call or two per tensor; after a kernel that streamed the caches they are
+    # slow ones, so this path makes as few as it can (see `attention_backends.run_kernel`).
     if _backends.resolve(backend, q, k_cache, v_cache) == "cpp":
-        return _backends.cpp_attention(q, k_cache, v_cache, block_tables, context_lens, None, scale)
+        checked = backend == "auto"  # "auto" chose the kernel for float32 CPU tensors
+        return _backends.cpp_attention(q, k_cache, v_cache, block_tables, context_lens, None, scale, checked)
     _backends.check_values(block_tables, context_lens, torch.ones_like(context_lens), k_cache.shape)
     return _backends.torch_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
 
