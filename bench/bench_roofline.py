@@ -3,6 +3,7 @@
     python bench/bench_roofline.py            # a GPT-2-small-shaped model: 12 layers, 768 wide, ~89M parameters
     python bench/bench_roofline.py --quick    # a 2-layer, 256-wide model: a smoke test
     python bench/bench_roofline.py --device cuda   # the limits, the engine and HF on a GPU (skipped without one)
+    python bench/bench_roofline.py --prepack-weights   # the engine's products through oneDNN's weight layouts
 
 The limits, measured first (and again beside each run of the engine, below):
 
@@ -106,7 +107,13 @@ def matrix_weights(config: ModelConfig) -> int:
 
 
 def decode_rate(
-    model: Transformer, batch: int, prompt_len: int, new_tokens: int, seed: int, device: torch.device
+    model: Transformer,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    seed: int,
+    device: torch.device,
+    prepack_weights: bool = False,
 ) -> float:
     """Tokens/s over the pure decode steps of ``batch`` requests (their mean context: ``prompt_len +
     new_tokens / 2``)."""
@@ -121,6 +128,7 @@ def decode_rate(
         max_num_seqs=batch,
         listeners=[records.append],
         device=device,
+        prepack_weights=prepack_weights,
     )
     llm.generate(
         prompts, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True), use_tqdm=False
@@ -179,6 +187,11 @@ def main() -> None:
     parser.add_argument(
         "--device", default="cpu", help="torch device of the limits, the engine and HF (cpu, cuda, ...)"
     )
+    parser.add_argument(
+        "--prepack-weights",
+        action="store_true",
+        help="the engine's layers multiply through oneDNN's layouts of the weights (EngineConfig.prepack_weights)",
+    )
     args = parser.parse_args()
     try:
         device = check_device(args.device)
@@ -187,6 +200,10 @@ def main() -> None:
         return
     except ValueError as e:
         parser.error(str(e))
+    if args.prepack_weights and device.type != "cpu":
+        parser.error(
+            "--prepack-weights lays the weights out for oneDNN on the CPU; leave it off with --device"
+        )
     if args.quick:
         config = ModelConfig(arch="gpt2", vocab_size=512, n_layers=2, n_heads=4, n_kv_heads=4, d_model=256,
                              d_ff=1024, max_seq_len=256)  # fmt: skip
@@ -208,9 +225,10 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     weights = matrix_weights(config)
     print(f"model: {config.arch}, {config.n_layers} layers x {config.d_model} wide, {params / 1e6:.1f}M parameters "
-          f"({weights / 1e6:.1f}M in the matrices a token goes through)")  # fmt: skip
+          f"({weights / 1e6:.1f}M in the matrices a token goes through); the engine's products: "
+          f"{'through oneDNN layouts of the weights (prepack_weights)' if args.prepack_weights else 'F.linear'}")  # fmt: skip
 
-    runs = beside_limits(lambda seed: decode_rate(model, 1, 8, new_tokens, seed, device),
+    runs = beside_limits(lambda seed: decode_rate(model, 1, 8, new_tokens, seed, device, args.prepack_weights),
                          lambda: memory_bandwidth(megabytes, device, rounds=3))  # fmt: skip
     rate1 = statistics.median(rate for rate, _ in runs)
     shares = sorted(rate * 4 * weights / limit for rate, limit in runs)
@@ -221,7 +239,7 @@ def main() -> None:
     )
     ctx = 8 + new_tokens / 2  # the mean context of the decode steps
     flops = 2 * weights + 4 * config.n_layers * ctx * config.d_model  # the matrices, then q.k and p.v
-    runs = beside_limits(lambda seed: decode_rate(model, big_batch, 8, new_tokens, seed, device),
+    runs = beside_limits(lambda seed: decode_rate(model, big_batch, 8, new_tokens, seed, device, args.prepack_weights),
                          lambda: matmul_peak(n_mm, device, rounds=3))  # fmt: skip
     rate64 = statistics.median(rate for rate, _ in runs)
     shares = sorted(rate * flops / limit for rate, limit in runs)
@@ -248,7 +266,13 @@ def main() -> None:
                for n in torch.randint(8, 33, (requests,), generator=g)]  # fmt: skip
     hf = to_hf(model).to(device).eval()
     engine = LLM(
-        model, None, block_size=16, num_blocks=requests * 8 + 16, max_num_seqs=requests, device=device
+        model,
+        None,
+        block_size=16,
+        num_blocks=requests * 8 + 16,
+        max_num_seqs=requests,
+        device=device,
+        prepack_weights=args.prepack_weights,
     )
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     rates: dict[str, list[float]] = {"hf": [], "engine": []}

@@ -28,6 +28,7 @@ import torch
 from nanolab.engine.device import check_device
 from nanolab.engine.speculative import SpeculativeConfig
 from nanolab.memory.paging import cdiv
+from nanolab.model import prepacked
 from nanolab.model.config import ModelConfig
 from nanolab.model.kv_cache import kv_cache_bytes
 from nanolab.model.tensor_parallel import check_shardable
@@ -74,6 +75,7 @@ class EngineConfig:
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS  # which waiting request is admitted next
     aging_steps: int = 16  # with the priority policy: steps of waiting that count as one level of priority
     attention_backend: AttentionBackend = AttentionBackend.AUTO  # paged decode attention implementation
+    prepack_weights: bool = False  # lay the layers' weights out once for oneDNN: faster products of 4+ rows on the CPU, a second copy of the weights in memory, float rounding unlike F.linear's
     tensor_parallel_size: int = 1  # processes the model is split over (tensor parallelism; gloo on the CPU)
     device: str = (
         "cpu"  # torch device of the model, the KV pool and each step's tensors: cpu, cuda, cuda:N, ...
@@ -103,6 +105,13 @@ class EngineConfig:
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                     none = " or None" if _optional(f) else ""
                     raise ValueError(f"{f.name} must be a positive integer{none}, got {value!r}")
+        if self.prepack_weights and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"prepack_weights lays out the weights of one process, but tensor_parallel_size is "
+                f"{self.tensor_parallel_size}; leave prepack_weights off with tensor parallelism"
+            )
+        if self.prepack_weights and not prepacked.available():
+            raise ValueError("prepack_weights needs oneDNN, which this build of torch lacks; leave it off")
         object.__setattr__(self, "device", str(self._check_device()))
 
     def _check_device(self) -> torch.device:
@@ -116,6 +125,11 @@ class EngineConfig:
                 raise ValueError(
                     f"attention_backend 'cpp' is the C++ kernel, which runs on the CPU only, but device is "
                     f"{str(self.device)!r}; use attention_backend 'torch' (or 'auto', which picks torch off the CPU)"
+                )
+            if self.prepack_weights:
+                raise ValueError(
+                    f"prepack_weights lays the weights out for oneDNN on the CPU, but device is "
+                    f"{str(self.device)!r}; leave prepack_weights off there"
                 )
             if self.tensor_parallel_size > 1:
                 raise ValueError(

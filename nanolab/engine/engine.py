@@ -75,7 +75,7 @@ class Engine(EngineCore):
             kv_cache = PagedKVCache(
                 model.config, cfg.num_blocks, cfg.block_size, attention_backend=backend, device=device
             )
-            runner = ModelRunner(self.model, kv_cache)
+            runner = ModelRunner(self.model, kv_cache, prepack_weights=cfg.prepack_weights)
         super().__init__(
             _build(scheduler, Scheduler, cfg, block_manager),
             block_manager,

@@ -27,6 +27,7 @@ import torch
 from nanolab.engine import speculative
 from nanolab.engine.request import Request
 from nanolab.memory.paged_kv_cache import PagedKVCache, SeqSlice
+from nanolab.model.prepacked import Prepacked
 from nanolab.model.sampling import (
     SamplingParams,
     adjust_logits,
@@ -130,13 +131,15 @@ class ModelRunner:
     KV cache's too; tokens come back to Python as lists.
     """
 
-    def __init__(self, model: Transformer, kv_cache: PagedKVCache) -> None:
+    def __init__(self, model: Transformer, kv_cache: PagedKVCache, prepack_weights: bool = False) -> None:
         self.model = model
         self.device = model.lm_head.weight.device
         self.kv_cache = kv_cache
         self.forward_seconds = 0.0  # the model's share of the last `run`
         # speculative decoding: the engine's `Speculator`, whose rules check the guesses (None: nanolab's)
         self.speculator: speculative.Speculator | None = None
+        # the layers' weights laid out for oneDNN, used inside this runner's forward only (None: F.linear)
+        self.prepacked = Prepacked.for_model(model) if prepack_weights else None
 
     @torch.inference_mode()
     def run(
@@ -195,9 +198,11 @@ class ModelRunner:
         if blocks_to_copy:
             self.kv_cache.copy_blocks(blocks_to_copy)
         positions = self.kv_cache.prepare(seqs)
-        return self.model(
-            torch.tensor(token_ids, dtype=torch.long, device=self.device), positions, self.kv_cache
-        )
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        if self.prepacked is None:
+            return self.model(ids, positions, self.kv_cache)
+        with self.prepacked.active():
+            return self.model(ids, positions, self.kv_cache)
 
     def close(self) -> None:
         """Release what the runner holds beyond memory (a tensor-parallel runner's workers); nothing here."""

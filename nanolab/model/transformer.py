@@ -32,6 +32,7 @@ from torch import nn
 from nanolab.model.attention import sdpa
 from nanolab.model.config import ModelConfig
 from nanolab.model.kv_cache import KVCacheProtocol
+from nanolab.model.prepacked import linear  # F.linear, or where an engine activates them, oneDNN's layouts
 from nanolab.model.tensor_parallel import TPShard, check_shardable, head_ranges, shard_state_dict
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos and sin for each token, (..., 1, head_dim) each
@@ -87,7 +88,7 @@ def attention_forward(
     """
     lead = x.shape[:-1]
     head_dim = qkv_weight.shape[0] // (n_heads + 2 * n_kv_heads)
-    heads = F.linear(x, qkv_weight, qkv_bias).view(*lead, -1, head_dim)  # (..., nh + 2*nkv, hs)
+    heads = linear(x, qkv_weight, qkv_bias).view(*lead, -1, head_dim)  # (..., nh + 2*nkv, hs)
     qk, v = heads.split((n_heads + n_kv_heads, n_kv_heads), dim=-2)
     if rope is not None:
         qk = apply_rope(qk, *rope)  # q and k heads rotate alike: one call for both
@@ -114,11 +115,10 @@ def mlp_forward(
     the whole layer's bias (or None). The partial products are summed over the ranks with
     ``tp.all_reduce`` and the bias added once after the sum.
     """
-    h = F.linear(x, up_weight, up_bias)
     if act == "gelu":
-        h = F.gelu(h, approximate="tanh")
+        h = linear(x, up_weight, up_bias, gelu=True)  # F.gelu(F.linear(...), approximate="tanh")
     elif act == "swiglu":
-        gate, up = h.chunk(2, dim=-1)
+        gate, up = linear(x, up_weight, up_bias).chunk(2, dim=-1)
         h = F.silu(gate) * up
     else:
         raise ValueError(f"act must be 'gelu' or 'swiglu', got {act!r}")
@@ -131,8 +131,8 @@ def row_parallel_linear(
     """A row-parallel layer: this rank's slice of the input times its columns of the weight, summed over
     the ranks, plus the (whole) bias once."""
     if tp.size == 1:
-        return F.linear(x, weight, bias)
-    y = tp.all_reduce(F.linear(x, weight))
+        return linear(x, weight, bias)
+    y = tp.all_reduce(linear(x, weight))
     return y if bias is None else y + bias
 
 

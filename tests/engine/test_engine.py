@@ -7,6 +7,7 @@ import pytest
 from helpers.engine_utils import compare_greedy, random_prompts, reference_greedy, tiny_model
 
 from nanolab.engine.llm import LLM
+from nanolab.model import prepacked
 from nanolab.model.sampling import SamplingParams
 
 VOCAB = 96
@@ -73,6 +74,22 @@ def test_prefix_cache_on_or_off_gives_the_same_output(model, workload, prefix, r
 def test_preemption_gives_the_same_output(model, workload, record_property):
     """A pool of 24 blocks of 4 tokens cannot hold the batch: requests get preempted and recomputed."""
     llm, got = run(model, *workload[:2], num_blocks=24, block_size=4, max_num_batched_tokens=64)
+    assert llm.stats().preemptions > 0
+    check_all(workload, got, record_property)
+
+
+@pytest.mark.skipif(not prepacked.available(), reason="this build of torch lacks oneDNN")
+def test_prepacked_weights_give_the_same_output_alone_or_batched_chunked_and_preempted(
+    model, workload, record_property
+):
+    """Through oneDNN's layouts of the weights, products of 4 rows or more are summed in another order
+    than F.linear's: the outputs still equal the reference, near-ties aside."""
+    prompts, lengths, _ = workload
+    alone = [run(model, [p], [n], prepack_weights=True)[1][0] for p, n in zip(prompts, lengths)]
+    check_all(workload, alone, record_property)
+    llm, got = run(
+        model, prompts, lengths, prepack_weights=True, num_blocks=24, block_size=4, max_num_batched_tokens=33
+    )
     assert llm.stats().preemptions > 0
     check_all(workload, got, record_property)
 

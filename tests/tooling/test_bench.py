@@ -17,9 +17,9 @@ import torch
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
-def run_bench(name: str) -> str:
+def run_bench(name: str, *flags: str) -> str:
     proc = subprocess.run(
-        [sys.executable, str(BENCH / name), "--quick"], capture_output=True, text=True, timeout=300
+        [sys.executable, str(BENCH / name), "--quick", *flags], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
@@ -90,8 +90,10 @@ def test_bench_server_quick():
 
 
 @pytest.mark.timeout(600)
-def test_bench_roofline_quick():
-    out = run_bench("bench_roofline.py")
+@pytest.mark.parametrize("flags", [[], ["--prepack-weights"]], ids=["F.linear", "prepacked"])
+def test_bench_roofline_quick(flags):
+    out = run_bench("bench_roofline.py", *flags)
+    assert ("through oneDNN layouts of the weights" in out) == bool(flags), out
     assert re.search(
         r"limits \(\d+ torch threads\): fp32 matmul [\d.]+ GFLOP/s, memory bandwidth [\d.]+ GB/s", out
     )

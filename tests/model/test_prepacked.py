@@ -1,0 +1,125 @@
+"""oneDNN layouts of the weights (`EngineConfig.prepack_weights`): used only where an engine activates
+them, for products of 4 rows or more, never once a weight has changed; the engine keeps them to itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.engine_utils import random_prompts, tiny_model
+
+from nanolab.engine.config import EngineConfig
+from nanolab.engine.llm import LLM
+from nanolab.model import prepacked
+from nanolab.model.prepacked import MIN_ROWS, Prepacked, linear
+from nanolab.model.sampling import SamplingParams
+
+needs_onednn = pytest.mark.skipif(not prepacked.available(), reason="this build of torch lacks oneDNN")
+
+
+def weights(seed: int = 0, n_in: int = 48, n_out: int = 80):
+    g = torch.Generator().manual_seed(seed)
+    return torch.nn.Parameter(torch.randn(n_out, n_in, generator=g) * 0.2), torch.randn(n_out, generator=g)
+
+
+def reference(x, w, b, gelu):
+    y = F.linear(x, w, b)
+    return F.gelu(y, approximate="tanh") if gelu else y
+
+
+@pytest.fixture
+def onednn_calls(monkeypatch):
+    """How many products went through oneDNN's prepacked call."""
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def spy(*args):
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    return calls
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_linear_is_f_linear_where_no_layout_is_active(gelu):
+    w, b = weights()
+    x = torch.randn(16, 48)
+    assert torch.equal(linear(x, w, b, gelu=gelu), reference(x, w, b, gelu))
+    assert torch.equal(linear(x, w, gelu=gelu), reference(x, w, None, gelu))
+
+
+@needs_onednn
+@pytest.mark.parametrize("gelu", [False, True])
+def test_an_active_layout_serves_products_of_4_rows_or_more(gelu, onednn_calls):
+    w, b = weights()
+    packed = Prepacked([w])
+    rows = [1, 2, 3, 4, 5, 16, 64]
+    with packed.active():
+        for n in rows:
+            x = torch.randn(n, 48)
+            got = linear(x, w, b, gelu=gelu)
+            if n < MIN_ROWS:
+                assert torch.equal(got, reference(x, w, b, gelu)), n
+            else:
+                torch.testing.assert_close(got, reference(x, w, b, gelu), atol=1e-5, rtol=1e-5)
+        other, _ = weights(seed=1)  # a weight it did not lay out
+        linear(torch.randn(8, 48), other, b)
+    assert onednn_calls == [n for n in rows if n >= MIN_ROWS]
+    assert MIN_ROWS == 4
+
+
+@needs_onednn
+def test_a_weight_changed_after_it_was_laid_out_is_read_as_it_is_now(onednn_calls):
+    w, b = weights()
+    packed = Prepacked([w])
+    x = torch.randn(8, 48)
+    with torch.no_grad():
+        w.mul_(2)  # in place: its version counter moves
+    with packed.active():
+        assert torch.equal(linear(x, w, b), F.linear(x, w, b))
+    w.data = torch.randn(80, 48)  # new storage under the same parameter
+    with packed.active():
+        assert torch.equal(linear(x, w, b), F.linear(x, w, b))
+    assert onednn_calls == []
+
+
+@needs_onednn
+def test_layouts_are_made_for_float32_cpu_matrices_only():
+    with pytest.raises(ValueError, match=r"float32 matrices on the CPU, got a torch.float64 tensor"):
+        Prepacked([torch.zeros(4, 4, dtype=torch.float64)])
+    with pytest.raises(ValueError, match=r"shape \(4,\)"):
+        Prepacked([torch.zeros(4)])
+
+
+def test_the_setting_is_refused_where_it_cannot_apply():
+    with pytest.raises(
+        ValueError, match="prepack_weights lays the weights out for oneDNN on the CPU, but device is 'cuda'"
+    ):
+        EngineConfig(prepack_weights=True, device="cuda")
+    with pytest.raises(ValueError, match="tensor_parallel_size is 2; leave prepack_weights off"):
+        EngineConfig(prepack_weights=True, tensor_parallel_size=2)
+
+
+@needs_onednn
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_an_engine_uses_its_layouts_in_its_own_steps_only(arch, onednn_calls):
+    model = tiny_model(arch, seed=3)
+    llm = LLM(model, None, block_size=4, prepack_weights=True)
+    runner = llm.engine.runner
+    assert len(runner.prepacked) == 4 * model.config.n_layers  # q/k/v, out, and the MLP's two
+    prompts = random_prompts(6, model.config.vocab_size, 4, 12, seed=5)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    packed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert onednn_calls, "no product of the engine's steps went through the layouts"
+    calls = len(onednn_calls)
+    # The same model object, outside the engine's steps and in another engine: F.linear.
+    x = torch.randn(8, model.config.d_model)
+    qkv = model.layers[0].attn.qkv
+    assert torch.equal(linear(x, qkv.weight, qkv.bias), F.linear(x, qkv.weight, qkv.bias))
+    plain = [
+        o.outputs[0].token_ids
+        for o in LLM(model, None, block_size=4).generate(prompts, params, use_tqdm=False)
+    ]
+    assert len(onednn_calls) == calls
+    assert packed == plain  # this model's logits are spread out: no near-ties to flip
