@@ -25,10 +25,11 @@ just after it, the higher of the two; the share printed is the median of the thr
   as a share of the measured matmul peak.
 
 Then what bounds both: the model's matrix products alone (every `nn.Linear` a token goes through, the
-output layer included, on random rows and nothing else) at 16, 32 and 64 rows, as a share of the highest
-matmul peak measured. Batch-64 decode can reach at most the 64-row figure; and since HF's static batches of 16 take
-two products of 16 rows where the engine takes one of 32, twice the 16-row time over the 32-row time
-bounds how much faster than HF the engine can be, before HF's own per-step overhead.
+output layer included, on random rows and nothing else, multiplied as the engine does) at 16, 32 and 64
+rows, as a share of the highest matmul peak measured. Batch-64 decode can reach at most the 64-row
+figure; and since HF's static batches of 16 take two products of 16 rows (by F.linear) where the engine
+takes one of 32, twice HF's 16-row time over the engine's 32-row time bounds how much faster than HF the
+engine can be, before HF's own per-step overhead.
 
 Last, 32 requests of 32 tokens, greedy: nanolab's `LLM` against Hugging Face transformers' ``generate`` in
 left-padded static batches of 16 on the same weights (`nanolab.model.hf.to_hf`), three runs of each
@@ -40,6 +41,7 @@ differently; those are counted, not hidden).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -50,6 +52,7 @@ from nanolab.engine.device import DeviceUnavailableError, check_device
 from nanolab.engine.stats import StepRecord
 from nanolab.model.config import ModelConfig
 from nanolab.model.hf import to_hf
+from nanolab.model.prepacked import Prepacked, linear
 from nanolab.model.transformer import Transformer
 
 
@@ -150,17 +153,22 @@ def beside_limits(run, limit, rounds: int = 3) -> list[tuple[float, float]]:
     return [(r, max(limits[i], limits[i + 1])) for i, r in enumerate(results)]
 
 
-def products_seconds(model: Transformer, rows: int, device: torch.device) -> float:
-    """Seconds for ``rows`` token rows to go through every matrix of ``model`` once (best of several)."""
+def products_seconds(
+    model: Transformer, rows: int, device: torch.device, prepack_weights: bool = False
+) -> float:
+    """Seconds for ``rows`` token rows to go through every matrix of ``model`` once (best of several), as the
+    engine multiplies them: with ``prepack_weights``, the layers' through their oneDNN layouts."""
     linears = list(dict.fromkeys(m for m in model.modules() if isinstance(m, torch.nn.Linear)))
     inputs = {m.in_features: torch.randn(rows, m.in_features, device=device) for m in linears}
+    layouts = Prepacked.for_model(model).active() if prepack_weights else contextlib.nullcontext()
 
     def run() -> None:
         with torch.inference_mode():
             for m in linears:
-                m(inputs[m.in_features])
+                linear(inputs[m.in_features], m.weight, m.bias)
 
-    return best_of(run, 5, device)
+    with layouts:
+        return best_of(run, 5, device)
 
 
 def hf_static(hf, prompts: list[list[int]], new_tokens: int, batch: int) -> tuple[float, list[list[int]]]:
@@ -250,14 +258,18 @@ def main() -> None:
     )
 
     peak = max(peak, *(limit for _, limit in runs))  # the highest measured so far
-    seconds = {rows: products_seconds(model, rows, device) for rows in sorted({16, 32, big_batch})}
+    seconds = {
+        rows: products_seconds(model, rows, device, args.prepack_weights)
+        for rows in sorted({16, 32, big_batch})
+    }
+    hf16 = products_seconds(model, 16, device) if args.prepack_weights else seconds[16]  # HF: F.linear
     print(
         "matrix products alone: "
         + ", ".join(
             f"{rows} rows {t * 1e3:.1f} ms ({2 * weights * rows / t / peak:.0%} of peak)"
             for rows, t in seconds.items()
         )
-        + f"; HF's two batches of 16 over the engine's one of 32: {2 * seconds[16] / seconds[32]:.2f}x at most, "
+        + f"; HF's two batches of 16 over the engine's one of 32: {2 * hf16 / seconds[32]:.2f}x at most, "
         "before HF's per-step overhead"
     )
 
