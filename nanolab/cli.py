@@ -237,6 +237,14 @@ def build_parser(engine_args: bool = True) -> argparse.ArgumentParser:
         help="where the engine runs: a process of its own (default: HTTP and the engine do not share "
         "Python's GIL) or a thread of the server's process",
     )
+    serve.add_argument(
+        "--engine-threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="torch threads of the engine's process (default: one fewer than the cores, at least 1, leaving "
+        "the HTTP front end a core; OMP_NUM_THREADS, where set, is taken as it is)",
+    )
     add_engine(serve)
     serve.set_defaults(func=_cmd_serve)
     return parser

@@ -33,7 +33,7 @@ from nanolab.model.config import ModelConfig  # noqa: E402
 from nanolab.model.loading import load_tokenizer, save_model  # noqa: E402
 from nanolab.model.transformer import Transformer  # noqa: E402
 from nanolab.serving.engine_process import EngineProcessError, ProcessAsyncEngine  # noqa: E402
-from nanolab.serving.server import build_app  # noqa: E402
+from nanolab.serving.server import build_app, engine_process_threads  # noqa: E402
 from nanolab.text.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc and sends signals")
@@ -97,6 +97,45 @@ def test_the_engine_process_runs_torch_with_the_threads_asked_for_or_this_proces
     finally:
         torch.set_num_threads(before)
     assert note.read_text() == str(given or 1)
+
+
+def test_nanolab_serve_leaves_the_front_end_a_core_unless_told_otherwise(monkeypatch) -> None:
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        for cores, expected in ((1, 1), (2, 1), (8, 7)):
+            torch.set_num_threads(cores)
+            assert engine_process_threads() == expected
+            assert engine_process_threads(3) == 3  # --engine-threads
+        monkeypatch.setenv("OMP_NUM_THREADS", "8")  # taken as it is
+        assert engine_process_threads() == 8
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_nanolab_serve_says_how_many_threads_its_engine_process_runs(checkpoint: Path) -> None:
+    port = free_port()
+    cmd = [sys.executable, "-m", "nanolab.cli", "serve", "--model", str(checkpoint), "--port", str(port)]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"PYTHONUNBUFFERED": "1"}
+    fresh = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    expected = max(1, int(fresh.stdout) - 1)
+    proc = subprocess.Popen([*cmd, "--log-level", "warning"], stderr=subprocess.PIPE, env=env, text=True)
+    try:  # printed once the engine process is up, before listening, after any notes on the checkpoint
+        lines = [proc.stderr.readline()]
+        while "serving" not in lines[-1] and lines[-1] and len(lines) < 5:
+            lines.append(proc.stderr.readline())
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    word = "thread" if expected == 1 else "threads"
+    assert any(f"the engine in its own process ({expected} torch {word})" in line for line in lines), lines
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, True])
