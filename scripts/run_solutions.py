@@ -70,7 +70,8 @@ def run_notebook(path: Path, timeout: float, out: Path | None = None) -> float:
 
 
 def run_notebooks(paths: list[Path], timeout: float, jobs: int = 1, out: Path | None = None):
-    """Run ``paths``, ``jobs`` at a time; yields ``(path, seconds or the exception it raised)`` as each ends."""
+    """Run ``paths``, ``jobs`` at a time; yields ``(path, seconds or the exception it raised)`` in the order
+    of ``paths``, each once its notebook has ended (a later one may have ended before it)."""
 
     def one(path: Path) -> tuple[Path, float | Exception]:
         try:
