@@ -13,8 +13,12 @@ products together take about 0.75x F.linear's time at 64 rows; one 768 x 3072 pr
 
 The layouts belong to an engine, not to the model: `linear` uses them only inside `Prepacked.active`,
 which the engine's model runner puts around its forward. Another engine, or a learner's runner, on the
-same model computes as F.linear does. A weight changed in place after it was laid out (its version
-counter moved, or its storage did) is multiplied by F.linear, never by its stale copy.
+same model computes as F.linear does, and so does a product whose gradient is wanted (oneDNN's call has
+none). A weight changed through its parameter after it was laid out (``copy_``, ``mul_``,
+``load_state_dict``, a new tensor assigned) is multiplied by F.linear, not by its stale copy: its version
+counter or its storage has moved. A write that bypasses the counter (through ``weight.data``, a NumPy view,
+or a weight made under ``torch.inference_mode``, which has no counter) is not seen: build a new engine
+after one.
 
 oneDNN sums each product in another order than MKL, so results differ from F.linear's by float rounding
 (about 1e-6 relative). Greedy outputs can then differ where the top two logits are that close; that is
@@ -56,10 +60,9 @@ class Prepacked:
                     f"prepack_weights lays out float32 matrices on the CPU, got a {w.dtype} tensor of shape "
                     f"{tuple(w.shape)} on {w.device}"
                 )
-            packed = torch.ops.mkldnn._reorder_linear_weight(
-                w.detach(), 64
-            )  # laid out for 64 rows, used for any
-            self._packed[id(w)] = (w, w._version, w.data_ptr(), packed)  # holding w keeps its id its own
+            # laid out for 64 rows, and used for any number
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)
+            self._packed[id(w)] = (w, _version(w), w.data_ptr(), packed)  # holding w keeps its id its own
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> Prepacked:
@@ -83,6 +86,11 @@ class Prepacked:
             _ACTIVE.reset(token)
 
 
+def _version(w: torch.Tensor) -> int:
+    """The tensor's version counter (-1 for an inference tensor, which keeps none)."""
+    return -1 if w.is_inference() else w._version
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False):
     """``F.linear(x, weight, bias)``, then GELU (tanh approximation) if ``gelu``; through a `Prepacked`
     layout of ``weight`` where one is active and up to date and ``x`` is (rows, in) with rows >=
@@ -90,7 +98,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     active = _ACTIVE.get()
     if active is not None and x.dim() == 2 and x.shape[0] >= MIN_ROWS:
         entry = active.get(id(weight))
-        if entry is not None and entry[1] == weight._version and entry[2] == weight.data_ptr():
+        grad = torch.is_grad_enabled() and (
+            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+        )
+        if entry is not None and not grad and entry[1] == _version(weight) and entry[2] == weight.data_ptr():
             if gelu:
                 return torch.ops.mkldnn._linear_pointwise(x, entry[3], bias, "gelu", [], "tanh")
             return torch.ops.mkldnn._linear_pointwise(x, entry[3], bias, "none", [], "")

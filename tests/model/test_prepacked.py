@@ -55,7 +55,7 @@ def test_an_active_layout_serves_products_of_4_rows_or_more(gelu, onednn_calls):
     w, b = weights()
     packed = Prepacked([w])
     rows = [1, 2, 3, 4, 5, 16, 64]
-    with packed.active():
+    with packed.active(), torch.no_grad():  # as in the engine's steps: no gradient wanted
         for n in rows:
             x = torch.randn(n, 48)
             got = linear(x, w, b, gelu=gelu)
@@ -76,12 +76,38 @@ def test_a_weight_changed_after_it_was_laid_out_is_read_as_it_is_now(onednn_call
     x = torch.randn(8, 48)
     with torch.no_grad():
         w.mul_(2)  # in place: its version counter moves
-    with packed.active():
+    with packed.active(), torch.no_grad():
         assert torch.equal(linear(x, w, b), F.linear(x, w, b))
     w.data = torch.randn(80, 48)  # new storage under the same parameter
-    with packed.active():
+    with packed.active(), torch.no_grad():
         assert torch.equal(linear(x, w, b), F.linear(x, w, b))
     assert onednn_calls == []
+
+
+@needs_onednn
+def test_a_product_whose_gradient_is_wanted_goes_through_f_linear(onednn_calls):
+    w, b = weights()
+    x = torch.randn(8, 48, requires_grad=True)
+    with Prepacked([w]).active():
+        linear(x, w, b, gelu=True).sum().backward()  # oneDNN's call would leave w.grad None
+        with torch.no_grad():
+            linear(x, w, b)  # no gradient wanted: the layout
+    got = w.grad.clone()
+    w.grad = None
+    reference(x.detach(), w, b, True).sum().backward()
+    torch.testing.assert_close(got, w.grad)
+    assert onednn_calls == [8]
+
+
+@needs_onednn
+def test_an_engine_takes_a_model_made_under_inference_mode():
+    with torch.inference_mode():
+        model = tiny_model("gpt2", seed=4)
+    prompts = random_prompts(3, model.config.vocab_size, 4, 9, seed=2)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    packed = LLM(model, None, block_size=4, prepack_weights=True).generate(prompts, params, use_tqdm=False)
+    plain = LLM(model, None, block_size=4).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in packed] == [o.outputs[0].token_ids for o in plain]
 
 
 @needs_onednn
