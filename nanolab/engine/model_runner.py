@@ -18,6 +18,7 @@ reaches into its guesses, see `layout_batch`) gets the tokens its verification k
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -199,9 +200,7 @@ class ModelRunner:
             self.kv_cache.copy_blocks(blocks_to_copy)
         positions = self.kv_cache.prepare(seqs)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        if self.prepacked is None:
-            return self.model(ids, positions, self.kv_cache)
-        with self.prepacked.active():
+        with self.prepacked.active() if self.prepacked is not None else contextlib.nullcontext():
             return self.model(ids, positions, self.kv_cache)
 
     def close(self) -> None:

@@ -224,15 +224,13 @@ def cpp_attention(
     context_lens: torch.Tensor,
     query_start_loc: torch.Tensor | None,
     scale: float,
-    checked: bool = False,
 ) -> torch.Tensor:
     """Runs ``nanolab._C.paged_attention`` on zero-copy numpy views (None query_start_loc: decode).
 
     The caches are read in place, so a cache that is not contiguous float32 on the CPU is an error
-    here rather than a silent copy of the whole pool (``checked``: `resolve` has found q and the
-    caches float32 on the CPU already). The small index tensors are cast to int32.
+    here rather than a silent copy of the whole pool. The small index tensors are cast to int32.
     """
-    if not (checked or _cpu_float32(q, k_cache, v_cache)):
+    if not _cpu_float32(q, k_cache, v_cache):
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
             if not _cpu_float32(t):
                 raise ValueError(

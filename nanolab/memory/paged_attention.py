@@ -43,8 +43,8 @@ __all__ = [
 ]
 
 
-def _default_scale(q: torch.Tensor, scale: float | None) -> float:
-    return 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
+def _default_scale(head_dim: int, scale: float | None) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else scale
 
 
 def write_kv(
@@ -109,14 +109,13 @@ def paged_decode_attention(
             f"decode takes one query token per sequence: q has {B} tokens but block_tables "
             f"has {block_tables.shape[0]} rows"
         )
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    scale = _default_scale(head_dim, scale)
     if B == 0:
         return q.new_empty(q.shape)
     # Every call costs a Python call or two per tensor; after a kernel that streamed the caches they are
     # slow ones, so this path makes as few as it can (see `attention_backends.run_kernel`).
     if _backends.resolve(backend, q, k_cache, v_cache) == "cpp":
-        checked = backend == "auto"  # "auto" chose the kernel for float32 CPU tensors
-        return _backends.cpp_attention(q, k_cache, v_cache, block_tables, context_lens, None, scale, checked)
+        return _backends.cpp_attention(q, k_cache, v_cache, block_tables, context_lens, None, scale)
     _backends.check_values(block_tables, context_lens, torch.ones_like(context_lens), k_cache.shape)
     return _backends.torch_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
 
@@ -149,7 +148,7 @@ def paged_prefill_attention(
     if q_len == 0:
         return q.new_empty(q.shape)
     _backends.check_values(tables, lens, torch.tensor([q_len], device=device), k_cache.shape, single=True)
-    scale = _default_scale(q, scale)
+    scale = _default_scale(q.shape[2], scale)
     if _backends.resolve(backend, q, k_cache, v_cache, prefill_len=q_len) == "cpp":
         qsl = torch.tensor([0, q_len], dtype=torch.int32, device=device)
         return _backends.cpp_attention(q, k_cache, v_cache, tables, lens, qsl, scale)
@@ -184,7 +183,7 @@ def paged_attention(
             f"query_start_loc must rise from 0 to the number of query tokens ({q.shape[0]}), "
             f"got {query_start_loc.tolist()}"
         )
-    scale = _default_scale(q, scale)
+    scale = _default_scale(q.shape[2], scale)
     if q.shape[0] == 0:
         return q.new_empty(q.shape)
     if _backends.resolve(backend, q, k_cache, v_cache, prefill_len=int(q_lens.max())) == "cpp":
