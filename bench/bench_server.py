@@ -4,11 +4,17 @@ Starts `nanolab serve` as a subprocess on 127.0.0.1 (a free port), then ``--clie
 (default 32) stream ``--requests`` completions (default 128) through it: prompts cut from Python source
 and sent as token ids, greedy, ``ignore_eos``, output lengths mixed, so every request generates exactly
 the tokens it asks for. Measured at the client: request throughput, output tokens/s, time to first token
-(TTFT) and inter-token latency (ITL: the gap between consecutive streamed chunks) at p50/p99.
+(TTFT) and inter-token latency (ITL: the gap between consecutive streamed chunks) at p50/p99. The
+clients are lean (`Connection`: HTTP/1.1 on asyncio's streams), because on a small machine they share
+the cores with the server they measure; ``--client httpx`` uses httpx instead.
 
-The same requests then run through offline `LLM.generate` (all at once, in this process), and the script
-prints the throughput ratio server / offline: what HTTP, JSON, server-sent events and arrival over time
-cost on top of the engine. It also checks that every server output equals the offline output.
+The same requests then run through offline `LLM.generate` (all at once, in this process; then at most
+``--clients`` at a time, the server's concurrency; then that again with the engine process's torch
+threads), and the script prints the throughput ratios server / offline: what HTTP, JSON, server-sent
+events and arrival over time cost on top of the engine. Every row runs once per turn (``--repeat``,
+default 3), so each ratio compares runs made moments apart; the script prints the median and range. It
+also prints the CPU time per output token of the HTTP process, the engine process and the client, and
+checks that every server output equals the offline output.
 
     python bench/bench_server.py                      # the bundled model
     python bench/bench_server.py --model DIR --clients 8 --requests 32
@@ -27,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -89,6 +96,8 @@ def start_server(args: argparse.Namespace, port: int, engine_in: str) -> subproc
     env = dict(os.environ)
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)  # torch's intra-op threads in the server process
+    if engine_in == "process":
+        cmd += ["--engine-threads", str(args.engine_threads)]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -116,7 +125,58 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> Result:
+class Connection:
+    """One kept-alive HTTP/1.1 connection that streams server-sent events, on asyncio's streams.
+
+    The load generator shares the machine's cores with the server it measures, so it does as little as
+    it can per event: no HTTP library, the response read in raw chunks, each event split off by its blank
+    line (`httpx`, ``--client httpx``, spends several times its CPU time per event)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.reader = self.writer = None
+
+    async def post_events(self, path: str, body: dict) -> AsyncIterator[bytes]:
+        """POST ``body`` as JSON and yield the payload of each ``data:`` event of the chunked response."""
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        data = json.dumps(body).encode()
+        self.writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        reader = self.reader
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        status = int(head[0].split(" ", 2)[1])
+        headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in head[1:] if h)}
+        if "chunked" not in headers.get("transfer-encoding", ""):
+            text = await reader.readexactly(int(headers.get("content-length", 0)))
+            raise RuntimeError(f"HTTP {status}: {text.decode(errors='replace')}")
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}")
+        pending = b""
+        while True:
+            size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
+            chunk = await reader.readexactly(size + 2)  # the chunk and its CRLF
+            if size == 0:
+                break
+            pending += chunk[:-2]
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                if event.startswith(b"data: "):
+                    yield event[6:]
+        if headers.get("connection", "").lower() == "close":
+            await self.close()
+
+
+async def one_request(conn: Connection, model: str, prompt: list[int], max_tokens: int) -> Result:
     body = {
         "model": model,
         "prompt": prompt,
@@ -127,44 +187,58 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
         "stream_options": {"include_usage": True},
     }
     r = Result(sent=time.perf_counter())
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            if chunk.get("usage"):
-                r.completion_tokens = chunk["usage"]["completion_tokens"]
-            for c in chunk["choices"]:
-                if c["text"]:
-                    r.chunk_times.append(time.perf_counter())
-                    r.text += c["text"]
+    if isinstance(conn, Connection):
+        async for data in conn.post_events("/v1/completions", body):
+            if data != b"[DONE]":
+                read_chunk(r, json.loads(data))
+    else:
+        async with conn.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()}")
+            async for line in resp.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    read_chunk(r, json.loads(line[6:]))
     r.done = time.perf_counter()
     return r
 
 
-async def run_clients(url: str, model: str, prompts, lengths, clients: int) -> tuple[float, list[Result]]:
-    """``clients`` workers take requests from a shared queue until none is left; returns (wall s, results)."""
+def read_chunk(r: Result, chunk: dict) -> None:
+    if "error" in chunk:
+        raise RuntimeError(chunk["error"]["message"])
+    if chunk.get("usage"):
+        r.completion_tokens = chunk["usage"]["completion_tokens"]
+    for c in chunk["choices"]:
+        if c["text"]:
+            r.chunk_times.append(time.perf_counter())
+            r.text += c["text"]
+
+
+async def run_clients(
+    url: str, model: str, prompts, lengths, clients: int, kind: str = "asyncio"
+) -> tuple[float, list[Result]]:
+    """``clients`` workers take requests from a shared queue until none is left; returns (wall s, results).
+    ``kind``: each worker's own `Connection` ("asyncio"), or one shared `httpx.AsyncClient` ("httpx")."""
     todo: asyncio.Queue[int] = asyncio.Queue()
     for i in range(len(prompts)):
         todo.put_nowait(i)
     results: list[Result | None] = [None] * len(prompts)
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    host, port = url.removeprefix("http://").rsplit(":", 1)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
 
         async def worker() -> None:
-            while not todo.empty():
-                i = todo.get_nowait()
-                results[i] = await one_request(client, model, prompts[i], lengths[i])
+            conn = Connection(host, int(port)) if kind == "asyncio" else client
+            try:
+                while not todo.empty():
+                    i = todo.get_nowait()
+                    results[i] = await one_request(conn, model, prompts[i], lengths[i])
+            finally:
+                if isinstance(conn, Connection):
+                    await conn.close()
 
-        t0, cpu0 = time.perf_counter(), time.process_time()
+        t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(clients)))
         wall = time.perf_counter() - t0
-        if len(prompts) > 2:
-            print(f"client CPU time: {time.process_time() - cpu0:.2f} s over {wall:.2f} s")
         return wall, results  # type: ignore[return-value]
 
 
@@ -189,9 +263,29 @@ def main() -> None:
         default=["process", "thread"],
         help="serve with the engine in its own process, in a thread of the server, or both (default)",
     )
+    p.add_argument(
+        "--client",
+        choices=["asyncio", "httpx"],
+        default="asyncio",
+        help="the load generator's HTTP client: a lean one on asyncio's streams (default), or httpx",
+    )
+    p.add_argument(
+        "--engine-threads",
+        type=int,
+        default=None,
+        help="torch threads of the server's engine process (default: what `nanolab serve` takes, one fewer "
+        "than the cores); offline also runs once per turn with this many",
+    )
+    p.add_argument(
+        "--repeat", type=int, default=3, help="turns of every row, for the median and range (default 3)"
+    )
     args = p.parse_args()
     if not 1 <= args.clients <= 256 or not 1 <= args.requests <= 4096:
         p.error("--clients must be in [1, 256] and --requests in [1, 4096]")
+    if not 1 <= args.repeat <= 20:
+        p.error("--repeat must be in [1, 20]")
+    if args.quick:
+        args.repeat = 1
 
     import torch
 
@@ -200,6 +294,11 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    from nanolab.serving.server import engine_process_threads
+
+    args.engine_threads = engine_process_threads(args.engine_threads)
+    if args.engine_threads < 1:
+        p.error("--engine-threads must be >= 1")
 
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs)
     model_name = resolve_checkpoint(args.model).name
@@ -212,82 +311,168 @@ def main() -> None:
         f"{args.clients} concurrent streaming clients; torch threads: {torch.get_num_threads()}"
     )
 
-    served = {}
-    for engine_in in args.engine_in:
-        served[engine_in] = serve_workload(args, engine_in, model_name, prompts, lengths)
-        if sum(r.completion_tokens for r in served[engine_in]["results"]) != n_out:
-            raise SystemExit(f"the server (engine in a {engine_in}) generated a different number of tokens")
-
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    offline_wall = time.perf_counter() - t0
-    offline_batch = llm.stats().mean_batch_size
     # The server never holds more than `clients` requests at once; offline with that cap separates
     # the cost of the lower concurrency from the cost of HTTP, JSON and streaming.
-    capped = LLM(args.model, max_num_seqs=min(args.clients, args.max_num_seqs))
-    t0 = time.perf_counter()
-    capped.generate(prompts, params, use_tqdm=False)
-    capped_wall = time.perf_counter() - t0
+    cap = min(args.clients, args.max_num_seqs)
+    capped = LLM(args.model, max_num_seqs=cap)
+    capped.generate(prompts[:2], params[:2], use_tqdm=False)
 
-    rows = [(f"server, engine in a {k}", v["wall"], v["mean_batch"]) for k, v in served.items()]
-    rows += [
-        ("offline", offline_wall, offline_batch),
-        (
-            f"offline, {min(args.clients, args.max_num_seqs)} at a time",
-            capped_wall,
-            capped.stats().mean_batch_size,
-        ),
+    servers = {k: Server(args, k, model_name) for k in args.engine_in}
+    runs: dict[str, list[dict]] = {k: [] for k in args.engine_in}
+    offline_walls, capped_walls, engine_walls = [], [], []
+    threads = torch.get_num_threads()
+    try:
+        for server in servers.values():
+            server.start(prompts, lengths)
+        # Each turn runs every row once, back to back, so a ratio compares runs measured moments apart:
+        # on a shared machine the speed of the whole machine drifts between turns.
+        for turn in range(args.repeat):
+            for engine_in, server in servers.items():
+                run = server.run(prompts, lengths)
+                if sum(r.completion_tokens for r in run["results"]) != n_out:
+                    raise SystemExit(
+                        f"the server (engine in a {engine_in}) generated a different number of tokens"
+                    )
+                runs[engine_in].append(run)
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            offline_walls.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            capped.generate(prompts, params, use_tqdm=False)
+            capped_walls.append(time.perf_counter() - t0)
+            if "process" in runs and args.engine_threads != threads:
+                # The engine process's thread count: what the server's engine could reach with no front end.
+                torch.set_num_threads(args.engine_threads)
+                t0 = time.perf_counter()
+                capped.generate(prompts, params, use_tqdm=False)
+                engine_walls.append(time.perf_counter() - t0)
+                torch.set_num_threads(threads)
+            if args.repeat > 1:
+                line = "  ".join(
+                    f"{k} {offline_walls[-1] / v[-1]['wall']:.2f} ({capped_walls[-1] / v[-1]['wall']:.2f})"
+                    for k, v in runs.items()
+                )
+                print(f"turn {turn + 1}/{args.repeat}, server / offline (same concurrency): {line}")
+    finally:
+        for server in servers.values():
+            server.stop()
+
+    def wall(walls: list[float]) -> float:
+        return statistics.median(walls)
+
+    rows = [
+        (f"server, engine in a {k}", [r["wall"] for r in v], v[-1]["mean_batch"]) for k, v in runs.items()
     ]
-    print(f"{'':32}{'req/s':>9}{'out tok/s':>11}{'wall s':>9}{'mean batch':>12}")
-    for name, w, b in rows:
+    rows += [
+        ("offline", offline_walls, llm.stats().mean_batch_size),
+        (f"offline, {cap} at a time", capped_walls, capped.stats().mean_batch_size),
+    ]
+    if engine_walls:
+        rows.append(
+            (
+                f"  same, {args.engine_threads} torch thread{'s' if args.engine_threads > 1 else ''}",
+                engine_walls,
+                capped.stats().mean_batch_size,
+            )
+        )
+    print(f"{'':32}{'req/s':>9}{'out tok/s':>11}{'wall s':>9}{'mean batch':>12}  (medians of {args.repeat})")
+    for name, walls, b in rows:
+        w = wall(walls)
         print(f"{name:32}{len(prompts) / w:9.2f}{n_out / w:11.1f}{w:9.2f}{b:12.1f}")
-    for engine_in, v in served.items():
-        results, wall = v["results"], v["wall"]
+    for engine_in, v in runs.items():
+        ratios = [o / r["wall"] for o, r in zip(offline_walls, v)]
+        same = [c / r["wall"] for c, r in zip(capped_walls, v)]
+        results = [x for r in v for x in r["results"]]
         ttft = [r.chunk_times[0] - r.sent for r in results if r.chunk_times]
         itl = [b - a for r in results for a, b in zip(r.chunk_times, r.chunk_times[1:])]
-        same = sum(r.text == o.outputs[0].text for r, o in zip(results, outs))
+        equal = sum(r.text == o.outputs[0].text for run in v for r, o in zip(run["results"], outs))
         print(f"-- the engine in a {engine_in}")
         print(
-            f"throughput ratio server / offline: {offline_wall / wall:.2f}  (server / offline at the same "
-            f"concurrency: {capped_wall / wall:.2f})"
+            f"throughput ratio server / offline: {spread(ratios)}  (server / offline at the same "
+            f"concurrency: {spread(same)})"
         )
+        if engine_in == "process" and engine_walls:
+            print(
+                f"server / offline at the same concurrency with the engine process's {args.engine_threads} "
+                f"torch thread{'s' if args.engine_threads > 1 else ''}: "
+                f"{spread([e / r['wall'] for e, r in zip(engine_walls, v)])}"
+            )
         print(
             f"server TTFT  p50 {percentile(ttft, 50) * 1e3:8.1f} ms   p99 {percentile(ttft, 99) * 1e3:8.1f} ms  "
-            f"(mean {statistics.mean(ttft) * 1e3:.1f} ms at the client, {v['server_ttft'] * 1e3:.1f} ms "
-            "inside the server)"
+            f"(mean {statistics.mean(ttft) * 1e3:.1f} ms at the client, "
+            f"{statistics.mean(r['server_ttft'] for r in v) * 1e3:.1f} ms inside the server)"
         )
         print(
             f"server ITL   p50 {percentile(itl, 50) * 1e3:8.1f} ms   p99 {percentile(itl, 99) * 1e3:8.1f} ms"
         )
-        print(f"server engine busy (inside steps) {v['busy']:.0%} of the wall time")
-        print(f"server outputs equal to offline greedy: {same}/{len(outs)}")
-
-
-def serve_workload(args: argparse.Namespace, engine_in: str, model_name: str, prompts, lengths) -> dict:
-    """Start a server with its engine in a process or a thread, run the clients, read its metrics."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(args, port, engine_in)
-    try:
-        wait_healthy(proc, url, timeout=120)
-        asyncio.run(run_clients(url, model_name, prompts[:2], lengths[:2], 2))  # warm-up
-        busy0 = scrape(url)["nanolab_engine_step_seconds_total"]
-        wall, results = asyncio.run(
-            asyncio.wait_for(run_clients(url, model_name, prompts, lengths, args.clients), args.timeout)
+        print(
+            f"server engine busy (inside steps) {spread([r['busy'] for r in v], pct=True)} of the wall time"
         )
-        samples = scrape(url)
-    finally:
-        stop_server(proc)
-    return {
-        "wall": wall,
-        "results": results,
-        "mean_batch": samples["nanolab_mean_batch_size"],
-        "server_ttft": samples["nanolab_time_to_first_token_seconds_sum"]
-        / samples["nanolab_time_to_first_token_seconds_count"],
-        "busy": (samples["nanolab_engine_step_seconds_total"] - busy0) / wall,
-    }
+        cpu = [f"{spread([r['cpu_http'] / n_out * 1e6 for r in v], 0)} µs in the HTTP process"]
+        if engine_in == "process":
+            cpu.append(f"{spread([r['cpu_engine'] / n_out * 1e6 for r in v], 0)} µs in the engine process")
+        cpu.append(f"{spread([r['cpu_client'] / n_out * 1e6 for r in v], 0)} µs in the client")
+        print(f"server CPU time per output token: {', '.join(cpu)}")
+        print(f"server outputs equal to offline greedy: {equal}/{len(outs) * len(v)}")
+
+
+def spread(xs: list[float], digits: int = 2, pct: bool = False) -> str:
+    """``median (min-max)`` of the turns, or the one value."""
+    f = (lambda x: f"{x:.0%}") if pct else (lambda x: f"{x:.{digits}f}")
+    return f(xs[0]) if len(xs) == 1 else f"{f(statistics.median(xs))} ({f(min(xs))}-{f(max(xs))})"
+
+
+class Server:
+    """`nanolab serve` with its engine in a process or a thread, kept up over every turn."""
+
+    def __init__(self, args: argparse.Namespace, engine_in: str, model_name: str) -> None:
+        self.args, self.engine_in, self.model_name = args, engine_in, model_name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, prompts, lengths) -> None:
+        self.proc = start_server(self.args, self.port, self.engine_in)
+        wait_healthy(self.proc, self.url, timeout=120)
+        asyncio.run(run_clients(self.url, self.model_name, prompts[:2], lengths[:2], 2, self.args.client))
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_server(self.proc)
+
+    def cpu_times(self) -> tuple[float, float]:
+        """CPU seconds of the server's own process and of its children (the engine process)."""
+        import psutil
+
+        main = psutil.Process(self.proc.pid)
+        children = sum(sum(c.cpu_times()[:2]) for c in main.children(recursive=True))
+        return sum(main.cpu_times()[:2]), children
+
+    def run(self, prompts, lengths) -> dict:
+        """Run the clients once; the wall time, the results and what the server's metrics say."""
+        busy0 = scrape(self.url)["nanolab_engine_step_seconds_total"]
+        (http0, engine0), client0 = self.cpu_times(), time.process_time()
+        wall, results = asyncio.run(
+            asyncio.wait_for(
+                run_clients(self.url, self.model_name, prompts, lengths, self.args.clients, self.args.client),
+                self.args.timeout,
+            )
+        )
+        (http1, engine1), client1 = self.cpu_times(), time.process_time()
+        samples = scrape(self.url)
+        return {
+            "wall": wall,
+            "results": results,
+            "mean_batch": samples["nanolab_mean_batch_size"],
+            "server_ttft": samples["nanolab_time_to_first_token_seconds_sum"]
+            / samples["nanolab_time_to_first_token_seconds_count"],
+            "busy": (samples["nanolab_engine_step_seconds_total"] - busy0) / wall,
+            "cpu_http": http1 - http0,
+            "cpu_engine": engine1 - engine0,
+            "cpu_client": client1 - client0,
+        }
 
 
 if __name__ == "__main__":
