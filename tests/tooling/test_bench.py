@@ -87,6 +87,8 @@ def test_bench_server_quick():
     assert len(equal) == 2 and all(a == b for a, b in equal), out  # the engine in a process, then a thread
     assert "-- the engine in a process" in out and "-- the engine in a thread" in out
     assert out.count("TTFT") == 2 and out.count("ITL") == 2
+    assert out.count("server CPU time per output token") == 2, out
+    assert "same concurrency with the engine process's" in out, out
 
 
 @pytest.mark.timeout(600)
