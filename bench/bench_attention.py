@@ -5,8 +5,11 @@ scattered at random over the pool (as they end up after a while of serving). The
 PyTorch's scaled_dot_product_attention on the same keys and values stored contiguously
 (B, n_kv_heads, ctx, head_dim), with the query heads that share a kv head passed as query rows (the
 fastest way to run GQA decode through SDPA). It is what attention would cost with no paging at all.
-All three run in the same process on the same data; times are the best of several runs, and the
-table reports each paged backend's time as a multiple of the baseline (lower is better).
+All three run in the same process on the same data, taking turns in a shuffled order; times are the
+best of several runs, and the table reports each paged backend's time as a multiple of the baseline
+(lower is better). By default whatever the previous calls left in the CPU's caches stays there; with
+``--cold`` a buffer twice the size of the last-level cache is read before every call, so each backend
+reads its keys and values from memory, as the engine's decode steps do at large batches and contexts.
 
 Prefill: one sequence's last q_len tokens over a ctx-token paged context, C++ kernel vs torch; this
 is what sets ``nanolab.memory.attention_backends.AUTO_CPP_MAX_PREFILL``.
@@ -15,8 +18,11 @@ is what sets ``nanolab.memory.attention_backends.AUTO_CPP_MAX_PREFILL``.
 from __future__ import annotations
 
 import argparse
+import functools
+import random
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -38,24 +44,68 @@ SHAPES = [Shape("small (8/4 heads, d=64)", 8, 4, 64), Shape("large (32/8 heads, 
 BLOCK_SIZE = 16
 
 
-def race(fns: dict[str, Callable[[], object]], min_time: float, min_rounds: int = 3) -> dict[str, float]:
+def race(
+    fns: dict[str, Callable[[], object]],
+    min_time: float,
+    min_rounds: int = 3,
+    before: Callable[[str], object] | None = None,
+    max_rounds: int | None = None,
+) -> dict[str, float]:
     """Best time in ms of each function.
 
-    The functions take turns, round after round, so a busy spell on the machine hits all of them
-    alike rather than whichever one happened to be running.
+    The functions take turns, round after round, in a shuffled order each round, so a busy spell on the
+    machine hits all of them alike rather than whichever one happened to be running, and none always
+    runs right after the same other one (whose leftovers in the caches it would inherit). ``before(name)``
+    runs, untimed, before every call of the function ``name``; ``max_rounds`` caps the rounds.
     """
     for fn in fns.values():
         fn()  # warm up
     best = dict.fromkeys(fns, float("inf"))
     spent, rounds = 0.0, 0
-    while rounds < min_rounds or spent < min_time * len(fns):
-        for name, fn in fns.items():
+    order = list(fns.items())
+    shuffle = random.Random(0).shuffle
+    while (rounds < min_rounds or spent < min_time * len(fns)) and (
+        max_rounds is None or rounds < max_rounds
+    ):
+        shuffle(order)
+        for name, fn in order:
+            if before is not None:
+                before(name)
             t0 = time.perf_counter()
             fn()
             dt = time.perf_counter() - t0
             best[name], spent = min(best[name], dt), spent + dt
         rounds += 1
     return {name: t * 1e3 for name, t in best.items()}
+
+
+def last_level_cache_bytes(default: int = 32 << 20) -> int:
+    """The size of CPU 0's largest cache, as Linux reports it (``default`` where it does not)."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip()
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes, default=default)
+
+
+class CacheEvictor:
+    """Reads a buffer twice the size of the last-level cache, which pushes everything else out of it.
+
+    Called before each timed call (``--cold``), it makes every backend read its keys and values from
+    memory, as a decode step does in the engine: there each layer's cache is read once per step, and
+    the other layers' caches and weights pass through the caches in between. The buffer is written once
+    at the start (untouched pages would all read the same zero page) and only read afterwards, so no
+    dirty lines are left to be written back during the next timed call."""
+
+    def __init__(self) -> None:
+        self.nbytes = max(2 * last_level_cache_bytes(), 64 << 20)
+        self.buffer = torch.ones(self.nbytes // 4)
+
+    def __call__(self) -> None:
+        self.buffer.sum()
 
 
 def paged_copy(k: torch.Tensor, v: torch.Tensor, gen: torch.Generator):
@@ -74,7 +124,8 @@ def paged_copy(k: torch.Tensor, v: torch.Tensor, gen: torch.Generator):
     return caches[0], caches[1], tables.to(torch.int32)
 
 
-def decode_row(shape: Shape, B: int, ctx: int, min_time: float) -> dict[str, float]:
+def decode_fns(shape: Shape, B: int, ctx: int) -> dict[str, Callable[[], object]]:
+    """The decode backends on one problem, checked against the contiguous SDPA."""
     gen = torch.Generator().manual_seed(B * 10_000 + ctx)
     nh, nkv, hs = shape.n_heads, shape.n_kv_heads, shape.head_dim
     q = torch.randn(B, nh, hs, generator=gen)
@@ -96,10 +147,10 @@ def decode_row(shape: Shape, B: int, ctx: int, min_time: float) -> dict[str, flo
     want = contiguous()
     for name in fns:
         assert torch.allclose(fns[name](), want, atol=1e-4), f"{name} disagrees with the contiguous SDPA"
-    return race(fns, min_time)
+    return fns
 
 
-def prefill_row(shape: Shape, q_len: int, ctx: int, min_time: float) -> dict[str, float]:
+def prefill_fns(shape: Shape, q_len: int, ctx: int) -> dict[str, Callable[[], object]]:
     gen = torch.Generator().manual_seed(q_len * 10_000 + ctx)
     nh, nkv, hs = shape.n_heads, shape.n_kv_heads, shape.head_dim
     q = torch.randn(q_len, nh, hs, generator=gen)
@@ -110,7 +161,32 @@ def prefill_row(shape: Shape, q_len: int, ctx: int, min_time: float) -> dict[str
     def paged(backend: str):
         return lambda: paged_prefill_attention(q, k_cache, v_cache, tables[0], ctx, backend=backend)
 
-    return race({b: paged(b) for b in (("torch", "cpp") if HAS_CPP_KERNEL else ("torch",))}, min_time)
+    return {b: paged(b) for b in (("torch", "cpp") if HAS_CPP_KERNEL else ("torch",))}
+
+
+def timed(
+    fns: dict[str, Callable[[], object]],
+    tiny: Callable[[], dict[str, Callable[[], object]]],
+    min_time: float,
+    evict: CacheEvictor | None,
+    rounds: int,
+) -> dict[str, float]:
+    """`race` the backends; with ``evict``, each call's keys and values come from memory (``rounds`` calls).
+
+    After the eviction, each backend first runs on ``tiny()``'s one-block problem: in the engine its code
+    runs in every layer of every step and stays in the caches, while the keys and values it reads are
+    new to them. Without that warm-up the Python around a kernel runs from memory too, which costs the
+    paged backends (a few Python calls each) more than one call of SDPA.
+    """
+    if evict is None:
+        return race(fns, min_time)
+    small = tiny()
+
+    def before(name: str) -> None:
+        evict()
+        small[name]()
+
+    return race(fns, min_time, min_rounds=rounds, before=before, max_rounds=rounds)
 
 
 def main() -> None:
@@ -118,17 +194,48 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--ctx", type=int, nargs="+", default=[128, 512, 1024])
     parser.add_argument("--min-time", type=float, default=0.3, help="seconds spent timing each backend")
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="push the keys and values out of the CPU's caches before every call (the engine's case at "
+        "large batches and contexts); each backend then runs --cold-rounds times",
+    )
+    parser.add_argument("--cold-rounds", type=int, default=15, help="calls of each backend with --cold")
     args = parser.parse_args()
+    if args.cold_rounds < 1:
+        parser.error("--cold-rounds must be >= 1")
+    evict = CacheEvictor() if args.cold else None
 
     print(f"paged attention, fp32, block size {BLOCK_SIZE}, {torch.get_num_threads()} torch threads")
+    if args.cold:
+        print(
+            f"  --cold: a {evict.nbytes >> 20} MB buffer is read before every call, then the backend runs on "
+            f"one block; best of {args.cold_rounds}"
+        )
     if not HAS_CPP_KERNEL:
         print("  (the C++ kernel is not built or NANOLAB_PURE_PYTHON is set: torch rows only)")
     decode_jobs = [(s, B, ctx) for s in SHAPES for B in args.batch for ctx in args.ctx]
     rows = [
-        decode_row(s, B, ctx, args.min_time) for s, B, ctx in tqdm(decode_jobs, desc="decode", leave=False)
+        timed(
+            decode_fns(s, B, ctx),
+            functools.partial(decode_fns, s, 1, BLOCK_SIZE),
+            args.min_time,
+            evict,
+            args.cold_rounds,
+        )
+        for s, B, ctx in tqdm(decode_jobs, desc="decode", leave=False)
     ]
     prefill_jobs = [(SHAPES[0], n, 1024) for n in (1, 4, 8, 16, 64, 256)]
-    prows = [prefill_row(*job, args.min_time) for job in tqdm(prefill_jobs, desc="prefill", leave=False)]
+    prows = [
+        timed(
+            prefill_fns(s, n, ctx),
+            functools.partial(prefill_fns, s, 1, BLOCK_SIZE),
+            args.min_time,
+            evict,
+            args.cold_rounds,
+        )
+        for s, n, ctx in tqdm(prefill_jobs, desc="prefill", leave=False)
+    ]
 
     print("\ndecode: ms per call (best); x = time / contiguous SDPA (lower is better)")
     head = f"{'shape':<27}{'B':>4}{'ctx':>6}{'contig SDPA':>13}{'C++ kernel':>19}{'torch gather+SDPA':>21}"

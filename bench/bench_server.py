@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
+import psutil
 
 
 @dataclass
@@ -143,7 +144,8 @@ class Connection:
             self.reader = self.writer = None
 
     async def post_events(self, path: str, body: dict) -> AsyncIterator[bytes]:
-        """POST ``body`` as JSON and yield the payload of each ``data:`` event of the chunked response."""
+        """POST ``body`` as JSON and yield the payload of each ``data:`` event of the chunked response
+        (events end with a blank line, ``\\n\\n``, as nanolab's server writes them)."""
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         data = json.dumps(body).encode()
@@ -156,24 +158,35 @@ class Connection:
         head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
         status = int(head[0].split(" ", 2)[1])
         headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in head[1:] if h)}
-        if "chunked" not in headers.get("transfer-encoding", ""):
-            text = await reader.readexactly(int(headers.get("content-length", 0)))
-            raise RuntimeError(f"HTTP {status}: {text.decode(errors='replace')}")
+        if "chunked" not in headers.get("transfer-encoding", ""):  # an error: a JSON body, no stream
+            size = int(headers.get("content-length", 0))
+            body = await reader.readexactly(size) if size else b""
+            await self.close()  # this connection is not used again
+            raise RuntimeError(f"{head[0]}: {body.decode(errors='replace')}")
         if status != 200:
-            raise RuntimeError(f"HTTP {status}")
+            body = b"".join([chunk async for chunk in self._chunks()])
+            await self.close()
+            raise RuntimeError(f"HTTP {status}: {body.decode(errors='replace')}")
         pending = b""
-        while True:
-            size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
-            chunk = await reader.readexactly(size + 2)  # the chunk and its CRLF
-            if size == 0:
-                break
-            pending += chunk[:-2]
+        async for chunk in self._chunks():
+            pending += chunk
             *events, pending = pending.split(b"\n\n")
             for event in events:
                 if event.startswith(b"data: "):
                     yield event[6:]
         if headers.get("connection", "").lower() == "close":
             await self.close()
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        """The chunks of a chunked body, to its last (empty) one and the blank line after it."""
+        reader = self.reader
+        while True:
+            size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
+            if size == 0:
+                while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers, if any, then the end
+                    pass
+                return
+            yield (await reader.readexactly(size + 2))[:-2]  # the chunk without its CRLF
 
 
 async def one_request(conn: Connection, model: str, prompt: list[int], max_tokens: int) -> Result:
@@ -255,7 +268,7 @@ def main() -> None:
     p.add_argument(
         "--timeout", type=float, default=600, help="give up on the server run after this many seconds"
     )
-    p.add_argument("--quick", action="store_true", help="short prompts and outputs (a smoke test)")
+    p.add_argument("--quick", action="store_true", help="short prompts and outputs, one turn (a smoke test)")
     p.add_argument(
         "--engine-in",
         nargs="+",
@@ -296,7 +309,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from nanolab.serving.server import engine_process_threads
 
-    args.engine_threads = engine_process_threads(args.engine_threads)
+    args.engine_threads = engine_process_threads(args.engine_threads or args.threads)
     if args.engine_threads < 1:
         p.error("--engine-threads must be >= 1")
 
@@ -342,7 +355,9 @@ def main() -> None:
             t0 = time.perf_counter()
             capped.generate(prompts, params, use_tqdm=False)
             capped_walls.append(time.perf_counter() - t0)
-            if "process" in runs and args.engine_threads != threads:
+            if "process" in runs and args.engine_threads == threads:
+                engine_walls.append(capped_walls[-1])  # the capped row already ran on that many threads
+            elif "process" in runs:
                 # The engine process's thread count: what the server's engine could reach with no front end.
                 torch.set_num_threads(args.engine_threads)
                 t0 = time.perf_counter()
@@ -363,13 +378,14 @@ def main() -> None:
         return statistics.median(walls)
 
     rows = [
-        (f"server, engine in a {k}", [r["wall"] for r in v], v[-1]["mean_batch"]) for k, v in runs.items()
+        (f"server, engine in a {k}", [r["wall"] for r in v], total(v, "batch_sum") / total(v, "steps"))
+        for k, v in runs.items()
     ]
     rows += [
         ("offline", offline_walls, llm.stats().mean_batch_size),
         (f"offline, {cap} at a time", capped_walls, capped.stats().mean_batch_size),
     ]
-    if engine_walls:
+    if engine_walls and args.engine_threads != threads:
         rows.append(
             (
                 f"  same, {args.engine_threads} torch thread{'s' if args.engine_threads > 1 else ''}",
@@ -402,7 +418,7 @@ def main() -> None:
         print(
             f"server TTFT  p50 {percentile(ttft, 50) * 1e3:8.1f} ms   p99 {percentile(ttft, 99) * 1e3:8.1f} ms  "
             f"(mean {statistics.mean(ttft) * 1e3:.1f} ms at the client, "
-            f"{statistics.mean(r['server_ttft'] for r in v) * 1e3:.1f} ms inside the server)"
+            f"{total(v, 'ttft_sum') / total(v, 'ttft_count') * 1e3:.1f} ms inside the server)"
         )
         print(
             f"server ITL   p50 {percentile(itl, 50) * 1e3:8.1f} ms   p99 {percentile(itl, 99) * 1e3:8.1f} ms"
@@ -410,12 +426,17 @@ def main() -> None:
         print(
             f"server engine busy (inside steps) {spread([r['busy'] for r in v], pct=True)} of the wall time"
         )
-        cpu = [f"{spread([r['cpu_http'] / n_out * 1e6 for r in v], 0)} µs in the HTTP process"]
+        where = "HTTP process" if engine_in == "process" else "server's one process (HTTP and engine)"
+        cpu = [f"{spread([r['cpu_http'] / n_out * 1e6 for r in v], 0)} µs in the {where}"]
         if engine_in == "process":
             cpu.append(f"{spread([r['cpu_engine'] / n_out * 1e6 for r in v], 0)} µs in the engine process")
         cpu.append(f"{spread([r['cpu_client'] / n_out * 1e6 for r in v], 0)} µs in the client")
         print(f"server CPU time per output token: {', '.join(cpu)}")
         print(f"server outputs equal to offline greedy: {equal}/{len(outs) * len(v)}")
+
+
+def total(runs: list[dict], key: str) -> float:
+    return sum(r[key] for r in runs)
 
 
 def spread(xs: list[float], digits: int = 2, pct: bool = False) -> str:
@@ -444,15 +465,21 @@ class Server:
 
     def cpu_times(self) -> tuple[float, float]:
         """CPU seconds of the server's own process and of its children (the engine process)."""
-        import psutil
-
         main = psutil.Process(self.proc.pid)
         children = sum(sum(c.cpu_times()[:2]) for c in main.children(recursive=True))
         return sum(main.cpu_times()[:2]), children
 
     def run(self, prompts, lengths) -> dict:
-        """Run the clients once; the wall time, the results and what the server's metrics say."""
-        busy0 = scrape(self.url)["nanolab_engine_step_seconds_total"]
+        """Run the clients once; the wall time, the results and what the server's metrics say about this
+        run alone (differences of its counters and histogram sums around it)."""
+        keys = (
+            "nanolab_engine_step_seconds_total",
+            "nanolab_time_to_first_token_seconds_sum",
+            "nanolab_time_to_first_token_seconds_count",
+            "nanolab_batch_size_sum",
+            "nanolab_batch_size_count",
+        )
+        before = scrape(self.url)
         (http0, engine0), client0 = self.cpu_times(), time.process_time()
         wall, results = asyncio.run(
             asyncio.wait_for(
@@ -461,14 +488,16 @@ class Server:
             )
         )
         (http1, engine1), client1 = self.cpu_times(), time.process_time()
-        samples = scrape(self.url)
+        after = scrape(self.url)
+        step_s, ttft_sum, ttft_count, batch_sum, steps = (after[k] - before[k] for k in keys)
         return {
             "wall": wall,
             "results": results,
-            "mean_batch": samples["nanolab_mean_batch_size"],
-            "server_ttft": samples["nanolab_time_to_first_token_seconds_sum"]
-            / samples["nanolab_time_to_first_token_seconds_count"],
-            "busy": (samples["nanolab_engine_step_seconds_total"] - busy0) / wall,
+            "batch_sum": batch_sum,
+            "steps": steps,
+            "ttft_sum": ttft_sum,
+            "ttft_count": ttft_count,
+            "busy": step_s / wall,
             "cpu_http": http1 - http0,
             "cpu_engine": engine1 - engine0,
             "cpu_client": client1 - client0,
