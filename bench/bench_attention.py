@@ -8,7 +8,7 @@ fastest way to run GQA decode through SDPA). It is what attention would cost wit
 All three run in the same process on the same data, taking turns in a shuffled order; times are the
 best of several runs, and the table reports each paged backend's time as a multiple of the baseline
 (lower is better). By default whatever the previous calls left in the CPU's caches stays there; with
-``--cold`` a buffer twice the size of the last-level cache is read before every call, so each backend
+``--cold`` a buffer twice the size of the last-level caches is read before every call, so each backend
 reads its keys and values from memory, as the engine's decode steps do at large batches and contexts.
 
 Prefill: one sequence's last q_len tokens over a ctx-token paged context, C++ kernel vs torch; this
@@ -80,19 +80,29 @@ def race(
 
 
 def last_level_cache_bytes(default: int = 32 << 20) -> int:
-    """The size of CPU 0's largest cache, as Linux reports it (``default`` where it does not)."""
-    sizes = []
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = f.read_text().strip()
+    """The machine's last-level caches together, as Linux reports them: each cache once, however many
+    CPUs share it (two sockets have two). ``default`` where Linux says nothing."""
+    caches: dict[tuple[int, str], int] = {}  # (level, the CPUs sharing it) -> bytes
+    for d in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cache/index[0-9]*"):
+        try:
+            if (d / "type").read_text().strip() == "Instruction":
+                continue
+            level = int((d / "level").read_text())
+            text = (d / "size").read_text().strip()
+            shared = (d / "shared_cpu_list").read_text().strip()
+        except (OSError, ValueError):
+            continue
         unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        digits = text.rstrip("KMG")
-        if digits.isdigit():
-            sizes.append(int(digits) * unit)
-    return max(sizes, default=default)
+        if text.rstrip("KMG").isdigit():
+            caches[level, shared] = int(text.rstrip("KMG")) * unit
+    if not caches:
+        return default
+    top = max(level for level, _ in caches)
+    return sum(size for (level, _), size in caches.items() if level == top)
 
 
 class CacheEvictor:
-    """Reads a buffer twice the size of the last-level cache, which pushes everything else out of it.
+    """Reads a buffer twice the size of the last-level caches, which pushes everything else out of them.
 
     Called before each timed call (``--cold``), it makes every backend read its keys and values from
     memory, as a decode step does in the engine: there each layer's cache is read once per step, and
@@ -201,9 +211,18 @@ def main() -> None:
         "large batches and contexts); each backend then runs --cold-rounds times",
     )
     parser.add_argument("--cold-rounds", type=int, default=15, help="calls of each backend with --cold")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="small problems, short timings (a smoke test; the ratios mean little)",
+    )
     args = parser.parse_args()
     if args.cold_rounds < 1:
         parser.error("--cold-rounds must be >= 1")
+    prefill_ctx, prefill_lens = 1024, (1, 4, 8, 16, 64, 256)
+    if args.quick:
+        args.batch, args.ctx, args.min_time, args.cold_rounds = [1, 4], [32], 0.01, 2
+        prefill_ctx, prefill_lens = 64, (1, 8)
     evict = CacheEvictor() if args.cold else None
 
     print(f"paged attention, fp32, block size {BLOCK_SIZE}, {torch.get_num_threads()} torch threads")
@@ -225,7 +244,7 @@ def main() -> None:
         )
         for s, B, ctx in tqdm(decode_jobs, desc="decode", leave=False)
     ]
-    prefill_jobs = [(SHAPES[0], n, 1024) for n in (1, 4, 8, 16, 64, 256)]
+    prefill_jobs = [(SHAPES[0], n, prefill_ctx) for n in prefill_lens]
     prows = [
         timed(
             prefill_fns(s, n, ctx),
@@ -248,7 +267,7 @@ def main() -> None:
             f"{row['torch']:11.3f} ({row['torch'] / base:5.2f}x)"
         )
 
-    print(f"\nprefill, {SHAPES[0].name}, ctx 1024: ms per call; x = C++ / torch")
+    print(f"\nprefill, {SHAPES[0].name}, ctx {prefill_ctx}: ms per call; x = C++ / torch")
     print(
         f"  (backend='auto' sends chunks of up to {AUTO_CPP_MAX_PREFILL} tokens to C++, longer ones to torch)"
     )

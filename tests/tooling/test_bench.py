@@ -80,6 +80,18 @@ def test_a_bench_on_a_missing_gpu_says_so_and_stops(name):
     )
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flags", [[], ["--cold"]], ids=["warm", "cold"])
+def test_bench_attention_quick(flags):
+    out = run_bench("bench_attention.py", *flags)
+    assert ("--cold: a " in out) == bool(flags), out
+    rows = re.findall(
+        r"^(small|large) \(.*?\)\s+(\d+)\s+32\s+[\d.]+\s+(?:[\d.]+ \(\s*[\d.]+x\)|-)", out, re.M
+    )
+    assert sorted(rows) == sorted((shape, b) for shape in ("small", "large") for b in ("1", "4")), out
+    assert len(re.findall(r"q_len\s+\d+: torch\s+[\d.]+\s+C\+\+\s+(?:[\d.]+|nan)", out)) == 2, out
+
+
 @pytest.mark.timeout(600)
 def test_bench_server_quick():
     out = run_bench("bench_server.py")
