@@ -18,7 +18,6 @@ is what sets ``nanolab.memory.attention_backends.AUTO_CPP_MAX_PREFILL``.
 from __future__ import annotations
 
 import argparse
-import functools
 import random
 import time
 from collections.abc import Callable
@@ -47,26 +46,24 @@ BLOCK_SIZE = 16
 def race(
     fns: dict[str, Callable[[], object]],
     min_time: float,
-    min_rounds: int = 3,
     before: Callable[[str], object] | None = None,
-    max_rounds: int | None = None,
+    rounds: int | None = None,
 ) -> dict[str, float]:
     """Best time in ms of each function.
 
     The functions take turns, round after round, in a shuffled order each round, so a busy spell on the
     machine hits all of them alike rather than whichever one happened to be running, and none always
     runs right after the same other one (whose leftovers in the caches it would inherit). ``before(name)``
-    runs, untimed, before every call of the function ``name``; ``max_rounds`` caps the rounds.
+    runs, untimed, before every call of the function ``name``. ``rounds``: exactly that many rounds
+    (None: at least 3, and until each function has had ``min_time`` seconds on average).
     """
     for fn in fns.values():
         fn()  # warm up
     best = dict.fromkeys(fns, float("inf"))
-    spent, rounds = 0.0, 0
+    spent, done = 0.0, 0
     order = list(fns.items())
     shuffle = random.Random(0).shuffle
-    while (rounds < min_rounds or spent < min_time * len(fns)) and (
-        max_rounds is None or rounds < max_rounds
-    ):
+    while (done < rounds) if rounds is not None else (done < 3 or spent < min_time * len(fns)):
         shuffle(order)
         for name, fn in order:
             if before is not None:
@@ -75,7 +72,7 @@ def race(
             fn()
             dt = time.perf_counter() - t0
             best[name], spent = min(best[name], dt), spent + dt
-        rounds += 1
+        done += 1
     return {name: t * 1e3 for name, t in best.items()}
 
 
@@ -175,28 +172,32 @@ def prefill_fns(shape: Shape, q_len: int, ctx: int) -> dict[str, Callable[[], ob
 
 
 def timed(
-    fns: dict[str, Callable[[], object]],
-    tiny: Callable[[], dict[str, Callable[[], object]]],
+    make: Callable[[Shape, int, int], dict[str, Callable[[], object]]],
+    shape: Shape,
+    n: int,
+    ctx: int,
     min_time: float,
     evict: CacheEvictor | None,
     rounds: int,
 ) -> dict[str, float]:
-    """`race` the backends; with ``evict``, each call's keys and values come from memory (``rounds`` calls).
+    """`race` the backends ``make(shape, n, ctx)`` returns; with ``evict``, each call's keys and values
+    come from memory (``rounds`` calls).
 
-    After the eviction, each backend first runs on ``tiny()``'s one-block problem: in the engine its code
-    runs in every layer of every step and stays in the caches, while the keys and values it reads are
-    new to them. Without that warm-up the Python around a kernel runs from memory too, which costs the
-    paged backends (a few Python calls each) more than one call of SDPA.
+    After the eviction, each backend first runs on a one-block problem (``make(shape, 1, BLOCK_SIZE)``): in
+    the engine its code runs in every layer of every step and stays in the caches, while the keys and
+    values it reads are new to them. Without that warm-up the Python around a kernel runs from memory
+    too, which costs the paged backends (a few Python calls each) more than one call of SDPA.
     """
+    fns = make(shape, n, ctx)
     if evict is None:
         return race(fns, min_time)
-    small = tiny()
+    small = make(shape, 1, BLOCK_SIZE)
 
     def before(name: str) -> None:
         evict()
         small[name]()
 
-    return race(fns, min_time, min_rounds=rounds, before=before, max_rounds=rounds)
+    return race(fns, min_time, before=before, rounds=rounds)
 
 
 def main() -> None:
@@ -234,27 +235,10 @@ def main() -> None:
     if not HAS_CPP_KERNEL:
         print("  (the C++ kernel is not built or NANOLAB_PURE_PYTHON is set: torch rows only)")
     decode_jobs = [(s, B, ctx) for s in SHAPES for B in args.batch for ctx in args.ctx]
-    rows = [
-        timed(
-            decode_fns(s, B, ctx),
-            functools.partial(decode_fns, s, 1, BLOCK_SIZE),
-            args.min_time,
-            evict,
-            args.cold_rounds,
-        )
-        for s, B, ctx in tqdm(decode_jobs, desc="decode", leave=False)
-    ]
+    timing = (args.min_time, evict, args.cold_rounds)
+    rows = [timed(decode_fns, *job, *timing) for job in tqdm(decode_jobs, desc="decode", leave=False)]
     prefill_jobs = [(SHAPES[0], n, prefill_ctx) for n in prefill_lens]
-    prows = [
-        timed(
-            prefill_fns(s, n, ctx),
-            functools.partial(prefill_fns, s, 1, BLOCK_SIZE),
-            args.min_time,
-            evict,
-            args.cold_rounds,
-        )
-        for s, n, ctx in tqdm(prefill_jobs, desc="prefill", leave=False)
-    ]
+    prows = [timed(prefill_fns, *job, *timing) for job in tqdm(prefill_jobs, desc="prefill", leave=False)]
 
     print("\ndecode: ms per call (best); x = time / contiguous SDPA (lower is better)")
     head = f"{'shape':<27}{'B':>4}{'ctx':>6}{'contig SDPA':>13}{'C++ kernel':>19}{'torch gather+SDPA':>21}"

@@ -336,6 +336,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {k: [] for k in args.engine_in}
     offline_walls, capped_walls, engine_walls = [], [], []
     threads = torch.get_num_threads()
+    engine_threads = f"{args.engine_threads} torch thread{'s' if args.engine_threads > 1 else ''}"
     try:
         for server in servers.values():
             server.start(prompts, lengths)
@@ -374,9 +375,6 @@ def main() -> None:
         for server in servers.values():
             server.stop()
 
-    def wall(walls: list[float]) -> float:
-        return statistics.median(walls)
-
     rows = [
         (f"server, engine in a {k}", [r["wall"] for r in v], total(v, "batch_sum") / total(v, "steps"))
         for k, v in runs.items()
@@ -388,14 +386,14 @@ def main() -> None:
     if engine_walls and args.engine_threads != threads:
         rows.append(
             (
-                f"  same, {args.engine_threads} torch thread{'s' if args.engine_threads > 1 else ''}",
+                f"  same, {engine_threads}",
                 engine_walls,
                 capped.stats().mean_batch_size,
             )
         )
     print(f"{'':32}{'req/s':>9}{'out tok/s':>11}{'wall s':>9}{'mean batch':>12}  (medians of {args.repeat})")
     for name, walls, b in rows:
-        w = wall(walls)
+        w = statistics.median(walls)
         print(f"{name:32}{len(prompts) / w:9.2f}{n_out / w:11.1f}{w:9.2f}{b:12.1f}")
     for engine_in, v in runs.items():
         ratios = [o / r["wall"] for o, r in zip(offline_walls, v)]
@@ -411,8 +409,7 @@ def main() -> None:
         )
         if engine_in == "process" and engine_walls:
             print(
-                f"server / offline at the same concurrency with the engine process's {args.engine_threads} "
-                f"torch thread{'s' if args.engine_threads > 1 else ''}: "
+                f"server / offline at the same concurrency with the engine process's {engine_threads}: "
                 f"{spread([e / r['wall'] for e, r in zip(engine_walls, v)])}"
             )
         print(
