@@ -129,9 +129,8 @@ def run_visible(task: Task) -> dict[str, Any]:
     """Run the notebook top to bottom (up to its last check; without its slow cells if ``task.quick``) and
     say which cells raised, and why, and which checks did not run."""
     import nbformat
-    from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
-    from run_solutions import KERNEL
+    from run_solutions import notebook_client
 
     nb = nbformat.reads(task.notebook, as_version=4)
     every_check = visible_checks(nb)
@@ -142,9 +141,8 @@ def run_visible(task: Task) -> dict[str, Any]:
     ids = [c.get("metadata", {}).get("nbgrader", {}).get("grade_id") for c in nb.cells]
     if checks:
         nb.cells = nb.cells[: max(i for i, g in enumerate(ids) if g in checks) + 1]
-    client = NotebookClient(
+    client = notebook_client(
         nb,
-        kernel_name=KERNEL,
         timeout=task.cell_timeout,
         interrupt_on_timeout=True,  # a cell that hangs is interrupted (KeyboardInterrupt) and the run goes on
         allow_errors=True,

@@ -18,7 +18,9 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -42,15 +44,31 @@ def ensure_kernel() -> None:
     )
 
 
+def notebook_client(nb, **options):
+    """An nbclient ``NotebookClient`` for ``nb`` on a kernel of its own that talks over Unix sockets where it can.
+
+    Over TCP, jupyter_client chooses the kernel's five ports by binding them and letting them go, and the
+    kernel binds them again a moment later. Another kernel starting then, or any outgoing connection given
+    an ephemeral port, can take one in between, and the kernel dies before it replies ("Address already in
+    use"). Unix sockets get a path of their own for each kernel, so several notebooks can start at once."""
+    from nbclient import NotebookClient
+    from traitlets.config import Config
+
+    config = Config()
+    if os.name == "posix":  # an absolute path: the kernel runs in the notebook's folder, not ours
+        where = Path(tempfile.gettempdir(), f"nanolab-kernel-{uuid.uuid4().hex}")
+        config.KernelManager.transport = "ipc"
+        config.KernelManager.ip = str(where)
+    # the client makes (and so shuts down and cleans up after) its own kernel manager from the config
+    return NotebookClient(nb, kernel_name=KERNEL, config=config, **options)
+
+
 def run_notebook(path: Path, timeout: float, out: Path | None = None) -> float:
     """Execute ``path`` and write the executed copy to ``out`` (default build/solutions/); returns the seconds
     it took."""
-    from nbclient import NotebookClient
-
     nb = nbformat.read(str(path), as_version=4)
-    client = NotebookClient(
+    client = notebook_client(
         nb,
-        kernel_name=KERNEL,
         timeout=timeout,  # per cell; the whole notebook is checked against `timeout` below
         resources={"metadata": {"path": str(path.parent)}},
     )

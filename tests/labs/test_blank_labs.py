@@ -9,13 +9,16 @@ cell by cell does, and each check cell (nbgrader ``grade: true``, no solution) m
 
 from __future__ import annotations
 
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
-from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+from run_solutions import notebook_client  # noqa: E402
+
 LABS = sorted((ROOT / "labs").glob("lab[0-9][0-9]_*.ipynb"))
 
 
@@ -38,10 +41,9 @@ def passing_checks(path: Path) -> list[str]:
     nb = nbformat.read(path, as_version=4)
     checks = check_cells(nb)
     assert checks, f"{path.name} has no check cells"
-    client = NotebookClient(
+    client = notebook_client(
         nb,
         timeout=300,
-        kernel_name="python3",
         allow_errors=True,
         resources={"metadata": {"path": str(path.parent)}},
     )

@@ -13,6 +13,7 @@ the learner's recorded decisions.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -211,7 +212,8 @@ def test_feedback_names_the_mistake_without_the_answer(batch):
     assert (
         "admission stops at the first request that does not fit" in outputs["admission_skips_a_blocked_head"]
     )
-    assert "give a request's blocks back" in outputs["abort_keeps_the_blocks"]
+    # the random workloads' invariant check, or (when a workload's steps went wrong first) the direct abort check
+    assert re.search(r"gives? (a|the) request's blocks back", outputs["abort_keeps_the_blocks"])
     assert "can never run: refuse it at once with ValueError" in outputs["add_counts_the_prompt_only"]
     assert "admitted_seq" in outputs["admitted_seq_kept_on_readmission"]
 
