@@ -18,6 +18,7 @@ checks that every server output equals the offline output.
 
     python bench/bench_server.py                      # the bundled model
     python bench/bench_server.py --model DIR --clients 8 --requests 32
+    python bench/bench_server.py --prompt-tokens 256 400   # long prompts
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def make_workload(
-    tokenizer, n: int, seed: int, max_len: int, quick: bool
+    tokenizer, n: int, seed: int, max_len: int, quick: bool, prompt_range: tuple[int, int] = (8, 128)
 ) -> tuple[list[list[int]], list[int]]:
-    """n prompts (8..128 tokens) cut from Python source, and output lengths (16..96 tokens)."""
+    """n prompts (``prompt_range`` tokens, 8..128 by default) cut from Python source, and output lengths
+    (16..96 tokens); a prompt leaves room for 16 output tokens at least."""
     import inspect
     import textwrap
 
@@ -65,10 +67,11 @@ def make_workload(
         "".join(inspect.getsource(m) for m in (json, textwrap, random, statistics, argparse))
     )
     rng = random.Random(seed)
-    hi_p, hi_o = (32, 24) if quick else (128, 96)
+    lo_p, hi_p = (8, 32) if quick else prompt_range
+    hi_o = 24 if quick else 96
     prompts, lengths = [], []
     for _ in range(n):
-        plen = rng.randint(min(8, max_len // 2), min(hi_p, max_len // 2))
+        plen = rng.randint(min(lo_p, max_len - 16), min(hi_p, max_len - 16))
         start = rng.randrange(0, len(ids) - plen)
         prompts.append(ids[start : start + plen])
         lengths.append(min(rng.randint(16, hi_o), max_len - plen))
@@ -270,6 +273,14 @@ def main() -> None:
     )
     p.add_argument("--quick", action="store_true", help="short prompts and outputs, one turn (a smoke test)")
     p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        nargs=2,
+        default=(8, 128),
+        metavar=("MIN", "MAX"),
+        help="each prompt's length is drawn from MIN..MAX tokens (default 8 128)",
+    )
+    p.add_argument(
         "--engine-in",
         nargs="+",
         choices=["process", "thread"],
@@ -297,6 +308,8 @@ def main() -> None:
         p.error("--clients must be in [1, 256] and --requests in [1, 4096]")
     if not 1 <= args.repeat <= 20:
         p.error("--repeat must be in [1, 20]")
+    if not 1 <= args.prompt_tokens[0] <= args.prompt_tokens[1]:
+        p.error("--prompt-tokens takes MIN <= MAX, both >= 1")
     if args.quick:
         args.repeat = 1
 
@@ -316,7 +329,12 @@ def main() -> None:
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs)
     model_name = resolve_checkpoint(args.model).name
     prompts, lengths = make_workload(
-        llm.tokenizer, args.requests, args.seed, llm.engine.config.max_model_len, args.quick
+        llm.tokenizer,
+        args.requests,
+        args.seed,
+        llm.engine.config.max_model_len,
+        args.quick,
+        tuple(args.prompt_tokens),
     )
     n_out = sum(lengths)
     print(

@@ -17,6 +17,9 @@ Transport: two ZeroMQ PUSH/PULL sockets over Unix-domain ("ipc") endpoints in a 
 only this user can open, bound by the front end; messages are pickled (they are the engine's own
 dataclasses: `RequestOutput`, `SamplingParams`, ...). The engine side sends one message per step, all
 of that step's outputs together; the front end's output thread wakes each event loop once per message.
+A request's first output crosses whole; each later one only as what changed since the one before
+(`OutputCodec`): the new tokens and text, not the prompt and everything generated so far again, so a
+step's message stays the same size however long the prompts and outputs grow.
 
 Life cycle:
 
@@ -57,7 +60,8 @@ import zmq
 
 from nanolab.engine.config import EngineConfig
 from nanolab.engine.engine import Engine
-from nanolab.serving.async_engine import STOP, Command, EngineClient, EngineLoop
+from nanolab.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanolab.serving.async_engine import STOP, Command, EngineClient, EngineLoop, Round
 from nanolab.serving.metrics import ServerMetrics
 
 log = logging.getLogger("nanolab.server")
@@ -89,6 +93,148 @@ def engine_from_parts(
 ):
     """A factory of an `Engine` over these parts; they are pickled to the engine process (a copy)."""
     return functools.partial(Engine, model, tokenizer, config, **components)
+
+
+_TAIL = True  # in place of a sample's delta that is its value's tail (see OutputCodec)
+
+
+def _diff(old: Any, new: Any) -> tuple[int, Any] | None:
+    """``new`` (a list, a string or None) as ``(kept, tail)``: the first ``kept`` items of ``old``, then
+    ``tail``. ``kept`` is ``len(old)`` when ``new`` extends ``old``, 0 (``tail`` is all of ``new``) when not."""
+    if new is None:
+        return None
+    if old is not None:
+        n = len(old)
+        if len(new) == n:  # unchanged, as a prompt always is: compared without copying
+            if new == old:
+                return n, new[:0]
+        elif len(new) > n and (new.startswith(old) if isinstance(new, str) else new[:n] == old):
+            return n, new[n:]
+    return 0, new
+
+
+def _undiff(old: Any, diff: tuple[int, Any] | None) -> Any:
+    """What `_diff` was given as ``new``. An unchanged value is ``old`` itself (nobody changes outputs)."""
+    if diff is None:
+        return None
+    kept, tail = diff
+    if kept == 0:
+        return tail
+    if not tail and kept == len(old):
+        return old
+    return old[:kept] + tail
+
+
+class OutputCodec:
+    """The engine's outputs as they cross the socket: a request's first output whole, each later one as
+    what changed since the one before.
+
+    An output carries the request's prompt and everything generated so far, each step again; pickled whole,
+    a step's message (and its pickling on one side and unpickling on the other) grows with every prompt and
+    output in the batch. Here a later output is a tuple: the request's id, whether it finished, its metrics'
+    fields, and for the prompt, its tokens, its log-probabilities and each sample's text, tokens and
+    log-probabilities, only what the previous value lacks (`_diff`; the whole value when it is not an
+    extension, say a text cut back at a stop string). A sample's deltas are sent as ``True`` when they are
+    just that tail. The engine side encodes (`encode`), the front end decodes (`decode`) to outputs equal to the
+    engine's, each side keeping every live request's last output; a request leaves both with its finished
+    output, or its failure (`forget`)."""
+
+    def __init__(self) -> None:
+        # request id -> (its last output, each sample's last completion by index)
+        self.last: dict[str, tuple[RequestOutput, dict[int, CompletionOutput]]] = {}
+
+    def forget(self, request_ids) -> None:
+        for rid in request_ids:
+            self.last.pop(rid, None)
+
+    def _keep(self, out: RequestOutput, samples: dict[int, CompletionOutput]) -> None:
+        if out.finished:
+            self.last.pop(out.request_id, None)
+        else:
+            self.last[out.request_id] = (out, samples)
+
+    def encode(self, out: RequestOutput) -> RequestOutput | tuple:
+        seen = self.last.get(out.request_id)
+        if seen is None:
+            self._keep(out, {c.index: c for c in out.outputs})
+            return out
+        prev, samples = seen
+        completions = []
+        for c in out.outputs:
+            p = samples.get(c.index)
+            samples[c.index] = c
+            if p is None:
+                completions.append(c)
+                continue
+            tokens, logprobs = _diff(p.token_ids, c.token_ids), _diff(p.logprobs, c.logprobs)
+            completions.append(
+                (
+                    c.index,
+                    _diff(p.text, c.text),
+                    tokens,
+                    c.finish_reason,
+                    c.delta_text,
+                    _TAIL if c.delta_token_ids == tokens[1] else c.delta_token_ids,
+                    _TAIL if logprobs is not None and c.delta_logprobs == logprobs[1] else c.delta_logprobs,
+                    logprobs,
+                )
+            )
+        self._keep(out, samples)
+        return (
+            out.request_id,
+            out.finished,
+            tuple(vars(out.metrics).values()),
+            _diff(prev.prompt, out.prompt),
+            _diff(prev.prompt_token_ids, out.prompt_token_ids),
+            _diff(prev.prompt_logprobs, out.prompt_logprobs),
+            completions,
+        )
+
+    def decode(self, wire: RequestOutput | tuple) -> RequestOutput:
+        if isinstance(wire, RequestOutput):
+            self._keep(wire, {c.index: c for c in wire.outputs})
+            return wire
+        rid, finished, metrics, prompt, prompt_token_ids, prompt_logprobs, completions = wire
+        prev, samples = self.last[rid]
+        outputs = []
+        for w in completions:
+            if not isinstance(w, CompletionOutput):
+                index, text, tokens, finish_reason, delta_text, delta_tokens, delta_logprobs, logprobs = w
+                p = samples[index]
+                w = CompletionOutput(
+                    index=index,
+                    text=_undiff(p.text, text),
+                    token_ids=_undiff(p.token_ids, tokens),
+                    finish_reason=finish_reason,
+                    delta_text=delta_text,
+                    delta_token_ids=tokens[1] if delta_tokens is _TAIL else delta_tokens,
+                    logprobs=_undiff(p.logprobs, logprobs),
+                    delta_logprobs=logprobs[1] if delta_logprobs is _TAIL else delta_logprobs,
+                )
+            samples[w.index] = w
+            outputs.append(w)
+        out = RequestOutput(
+            rid,
+            _undiff(prev.prompt, prompt),
+            _undiff(prev.prompt_token_ids, prompt_token_ids),
+            outputs,
+            finished,
+            RequestMetrics(*metrics),
+            _undiff(prev.prompt_logprobs, prompt_logprobs),
+        )
+        self._keep(out, samples)
+        return out
+
+    def encode_round(self, rnd: Round) -> Round:
+        """``rnd`` with its outputs encoded (in place), its failed requests forgotten."""
+        rnd.outputs = [self.encode(out) for out in rnd.outputs]
+        self.forget(rid for rid, _ in rnd.failed)
+        return rnd
+
+    def decode_round(self, rnd: Round) -> Round:
+        rnd.outputs = [self.decode(wire) for wire in rnd.outputs]
+        self.forget(rid for rid, _ in rnd.failed)
+        return rnd
 
 
 class ProcessAsyncEngine(EngineClient):
@@ -251,13 +397,14 @@ class ProcessAsyncEngine(EngineClient):
 
     def _read_outputs(self) -> None:
         sock = self._outputs
+        codec = OutputCodec()
         while True:
             if sock.poll(DEATH_CHECK_S * 1000):
                 message = pickle.loads(sock.recv())
                 if message == _BYE:
                     return
                 try:
-                    self._deliver(message)
+                    self._deliver(codec.decode_round(message))
                 except Exception:
                     log.exception("routing the engine's outputs failed")
             elif self.process.exitcode is not None:
@@ -305,7 +452,11 @@ def run_engine_core(
     inbox.connect(commands)
     outbox.connect(outputs)
 
+    codec = OutputCodec()
+
     def send(message: Any) -> None:
+        if isinstance(message, Round):
+            message = codec.encode_round(message)
         outbox.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
     def receive(timeout: float | None) -> Command | None:

@@ -10,6 +10,7 @@ import functools
 import inspect
 import json
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -243,3 +244,54 @@ def test_nanolab_serve_exits_with_1_when_its_engine_process_dies(checkpoint: Pat
     err = proc.stderr.read()
     assert code == 1, err
     assert "engine process died" in err
+
+
+def test_outputs_cross_as_deltas_and_arrive_equal_to_the_engine_s(checkpoint: Path) -> None:
+    """A request's later outputs cross the socket as what changed (`OutputCodec`), and the front end
+    rebuilds each one equal to the engine's: with stop strings that cut text back, parallel samples whose
+    outputs name only the samples that changed, log-probabilities of the prompt and the output, aborts,
+    and preemptions in a pool too small for the batch. And a step's message no longer grows with the
+    prompts: late in the run it is a fraction of what the outputs pickled whole take."""
+    from nanolab.engine.engine import Engine
+    from nanolab.model.loading import load_model
+    from nanolab.serving.engine_process import OutputCodec
+
+    tokenizer = load_tokenizer(str(checkpoint))
+    engine = Engine(
+        load_model(str(checkpoint)),
+        tokenizer,
+        EngineConfig(block_size=4, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=32),
+    )
+    text = inspect.getsource(json)
+    prompts = [text[i * 97 : i * 97 + 40 + 5 * i] for i in range(10)]
+    params = [
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0.9, seed=1, stop=["e", "\n"]),
+        SamplingParams(max_tokens=30, temperature=1.0, seed=2, n=3, logprobs=2),
+        SamplingParams(max_tokens=25, temperature=0, prompt_logprobs=1, logprobs=0),
+        SamplingParams(max_tokens=40, temperature=1.0, seed=3, stop=["ons", "ret"], n=2),
+    ] * 2
+    engine.add_requests(prompts, params, request_ids=[f"r{i}" for i in range(len(prompts))])
+    sender, receiver = OutputCodec(), OutputCodec()
+    outputs = deltas = whole = late_whole = late_wire = steps = 0
+    while engine.has_unfinished():
+        steps += 1
+        produced = engine.step()
+        if steps == 6:
+            produced.append(engine.abort("r7"))  # mid-run, its blocks freed and its last output sent
+        produced = [o for o in produced if o is not None]
+        wire = [sender.encode(o) for o in produced]
+        deltas += sum(isinstance(w, tuple) for w in wire)
+        received = pickle.loads(pickle.dumps(wire, protocol=pickle.HIGHEST_PROTOCOL))
+        for original, w in zip(produced, received, strict=True):
+            assert receiver.decode(w) == original
+            outputs += 1
+        size = len(pickle.dumps(wire, protocol=pickle.HIGHEST_PROTOCOL))
+        full = len(pickle.dumps(produced, protocol=pickle.HIGHEST_PROTOCOL))
+        whole += full
+        if steps > 20:
+            late_whole, late_wire = late_whole + full, late_wire + size
+    assert engine.stats().preemptions > 0, "the pool was meant to be too small for the whole batch"
+    assert outputs > 100 and deltas > outputs - 3 * len(prompts), (outputs, deltas)
+    assert not sender.last and not receiver.last, "finished requests are forgotten on both sides"
+    assert late_wire < late_whole / 3, (late_wire, late_whole)
