@@ -141,13 +141,6 @@ def run_visible(task: Task) -> dict[str, Any]:
     ids = [c.get("metadata", {}).get("nbgrader", {}).get("grade_id") for c in nb.cells]
     if checks:
         nb.cells = nb.cells[: max(i for i, g in enumerate(ids) if g in checks) + 1]
-    client = notebook_client(
-        nb,
-        timeout=task.cell_timeout,
-        interrupt_on_timeout=True,  # a cell that hangs is interrupted (KeyboardInterrupt) and the run goes on
-        allow_errors=True,
-        resources={"metadata": {"path": str(ROOT / "solutions")}},
-    )
     died = None
     start = time.perf_counter()
     env = {
@@ -155,10 +148,17 @@ def run_visible(task: Task) -> dict[str, Any]:
         "CUDA_VISIBLE_DEVICES": "",
         "MPLBACKEND": "module://matplotlib_inline.backend_inline",
     }
-    try:
-        _in_thread(lambda: client.execute(env=env))
-    except DeadKernelError as e:
-        died = f"the kernel died ({e})"
+    with notebook_client(
+        nb,
+        timeout=task.cell_timeout,
+        interrupt_on_timeout=True,  # a cell that hangs is interrupted (KeyboardInterrupt) and the run goes on
+        allow_errors=True,
+        resources={"metadata": {"path": str(ROOT / "solutions")}},
+    ) as client:
+        try:
+            _in_thread(lambda: client.execute(env=env))
+        except DeadKernelError as e:
+            died = f"the kernel died ({e})"
     failed: dict[str, str] = {}  # check grade_id -> why
     errors: dict[str, str] = {}  # other cells that raised -> why
     for cell in nb.cells:

@@ -15,12 +15,13 @@ keeps one core busy).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -44,43 +45,53 @@ def ensure_kernel() -> None:
     )
 
 
+@contextlib.contextmanager
 def notebook_client(nb, **options):
-    """An nbclient ``NotebookClient`` for ``nb`` on a kernel of its own that talks over Unix sockets where it can.
+    """An nbclient ``NotebookClient`` for ``nb`` (a context: use it inside) on a kernel of its own that talks
+    over Unix sockets where it can.
 
     Over TCP, jupyter_client chooses the kernel's five ports by binding them and letting them go, and the
     kernel binds them again a moment later. Another kernel starting then, or any outgoing connection given
     an ephemeral port, can take one in between, and the kernel dies before it replies ("Address already in
-    use"). Unix sockets get a path of their own for each kernel, so several notebooks can start at once."""
+    use"). Unix sockets are paths in a folder of this kernel's own, made here (only this user can open it)
+    and removed after, so several notebooks can start at once. A socket's path is short (the system's
+    limit is about 100 bytes): where the temporary folder's own path is too long for it, TCP it is."""
     from nbclient import NotebookClient
     from traitlets.config import Config
 
     config = Config()
-    if os.name == "posix":  # an absolute path: the kernel runs in the notebook's folder, not ours
-        where = Path(tempfile.gettempdir(), f"nanolab-kernel-{uuid.uuid4().hex}")
-        config.KernelManager.transport = "ipc"
-        config.KernelManager.ip = str(where)
-    # the client makes (and so shuts down and cleans up after) its own kernel manager from the config
-    return NotebookClient(nb, kernel_name=KERNEL, config=config, **options)
+    where = tempfile.mkdtemp(prefix="nbk-") if os.name == "posix" else None
+    try:
+        if (
+            where is not None and len(where) < 80
+        ):  # an absolute path: the kernel runs in the notebook's folder
+            config.KernelManager.transport = "ipc"
+            config.KernelManager.ip = os.path.join(where, "k")  # the sockets are k-1 .. k-5
+        # the client makes (and so shuts down and cleans up after) its own kernel manager from the config
+        yield NotebookClient(nb, kernel_name=KERNEL, config=config, **options)
+    finally:
+        if where is not None:
+            shutil.rmtree(where, ignore_errors=True)
 
 
 def run_notebook(path: Path, timeout: float, out: Path | None = None) -> float:
     """Execute ``path`` and write the executed copy to ``out`` (default build/solutions/); returns the seconds
     it took."""
     nb = nbformat.read(str(path), as_version=4)
-    client = notebook_client(
+    with notebook_client(
         nb,
         timeout=timeout,  # per cell; the whole notebook is checked against `timeout` below
         resources={"metadata": {"path": str(path.parent)}},
-    )
-    start = time.perf_counter()
-    client.execute(
-        env={
-            **os.environ,
-            "CUDA_VISIBLE_DEVICES": "",
-            "MPLBACKEND": "module://matplotlib_inline.backend_inline",
-        }
-    )
-    elapsed = time.perf_counter() - start
+    ) as client:
+        start = time.perf_counter()
+        client.execute(
+            env={
+                **os.environ,
+                "CUDA_VISIBLE_DEVICES": "",
+                "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+            }
+        )
+        elapsed = time.perf_counter() - start
     out = OUT if out is None else out
     out.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, str(out / path.name))

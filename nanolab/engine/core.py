@@ -33,12 +33,15 @@ from nanolab.memory.block_manager import BlockManager
 class EngineStepError(RuntimeError):
     """A step raised; the requests it was running were aborted and their KV blocks freed.
 
-    ``outputs`` holds their final outputs (finish reason "abort"); the cause is chained.
+    ``outputs`` holds their final outputs (finish reason "abort"); the cause is chained. ``request_ids``
+    names every request the failed step ended: those, and (set by `EngineCore.step`) any that finished
+    inside the step before it raised, whose final output was lost with the step's.
     """
 
     def __init__(self, message: str, outputs: list[RequestOutput]) -> None:
         super().__init__(message)
         self.outputs = outputs
+        self.request_ids = [o.request_id for o in outputs]
 
 
 class EngineCore:
@@ -160,10 +163,12 @@ class EngineCore:
             victims = self._in_flight if self._in_flight is not None else waiting
             ids = dict.fromkeys(r.group.request_id if r.group else r.request_id for r in victims)
             outputs = [out for rid in ids if (out := self.abort(rid)) is not None]
-            raise EngineStepError(
+            error = EngineStepError(
                 f"the engine step failed ({type(exc).__name__}: {exc}); {len(outputs)} request(s) were aborted",
                 outputs,
-            ) from exc
+            )
+            error.request_ids = list(ids)  # with those that finished in the step, their outputs lost
+            raise error from exc
 
     def _step(self, finished_only: bool) -> list[RequestOutput]:
         t0 = time.perf_counter()

@@ -299,10 +299,12 @@ class EngineLoop:
         except EngineStepError as err:
             log.exception("an engine step failed; its requests were aborted")
             self.round.step_errors += 1
-            for out in err.outputs:  # the engine already freed their blocks
-                if out.request_id in self.live:
-                    self.forget(out.request_id)
-                    self.round.failed.append((out.request_id, str(err)))
+            # the engine already freed their blocks; the ids include requests that finished inside the
+            # failed step, whose outputs were lost with it (their callers would wait forever otherwise)
+            for rid in err.request_ids:
+                if rid in self.live:
+                    self.forget(rid)
+                    self.round.failed.append((rid, str(err)))
             return
         for out in outputs:
             self.route(out)

@@ -135,13 +135,15 @@ class OutputCodec:
     fields, and for the prompt, its tokens, its log-probabilities and each sample's text, tokens and
     log-probabilities, only what the previous value lacks (`_diff`; the whole value when it is not an
     extension, say a text cut back at a stop string). A sample's deltas are sent as ``True`` when they are
-    just that tail. The engine side encodes (`encode`), the front end decodes (`decode`) to outputs equal to the
-    engine's, each side keeping every live request's last output; a request leaves both with its finished
-    output, or its failure (`forget`)."""
+    just that tail. The engine side encodes (`encode`), the front end decodes (`decode`) to outputs equal
+    to the engine's, each side keeping every live request's last output; a request leaves both with its
+    finished output, or its failure (`forget`). Decoded outputs are read-only, as every output is: a value
+    that did not change (a prompt's tokens) is the previous output's own list."""
 
     def __init__(self) -> None:
         # request id -> (its last output, each sample's last completion by index)
         self.last: dict[str, tuple[RequestOutput, dict[int, CompletionOutput]]] = {}
+        self.dropped: set[str] = set()  # requests failed for an output that could not be decoded
 
     def forget(self, request_ids) -> None:
         for rid in request_ids:
@@ -231,10 +233,28 @@ class OutputCodec:
         self.forget(rid for rid, _ in rnd.failed)
         return rnd
 
-    def decode_round(self, rnd: Round) -> Round:
-        rnd.outputs = [self.decode(wire) for wire in rnd.outputs]
+    def decode_round(self, rnd: Round) -> list[str]:
+        """Decode ``rnd``'s outputs in place and forget its failed requests. An output that cannot be
+        decoded (a bug) fails its request, whose id is returned (for an abort), and the rest of the round
+        is delivered."""
+        unreadable, outputs = [], []
+        for wire in rnd.outputs:
+            rid, finished = (wire.request_id, wire.finished) if isinstance(wire, RequestOutput) else wire[:2]
+            if rid in self.dropped:  # failed already: its outputs until the abort lands are dropped
+                if finished:
+                    self.dropped.discard(rid)
+                continue
+            try:
+                outputs.append(self.decode(wire))
+            except Exception:
+                log.exception("decoding request %s's output from the engine process failed", rid)
+                rnd.failed.append((rid, "the server could not read this request's output from its engine"))
+                unreadable.append(rid)
+                if not finished:
+                    self.dropped.add(rid)
+        rnd.outputs = outputs
         self.forget(rid for rid, _ in rnd.failed)
-        return rnd
+        return unreadable
 
 
 class ProcessAsyncEngine(EngineClient):
@@ -404,7 +424,9 @@ class ProcessAsyncEngine(EngineClient):
                 if message == _BYE:
                     return
                 try:
-                    self._deliver(codec.decode_round(message))
+                    if unreadable := codec.decode_round(message):
+                        self.abort(unreadable)  # the engine stops them (what it sends of them is dropped)
+                    self._deliver(message)
                 except Exception:
                     log.exception("routing the engine's outputs failed")
             elif self.process.exitcode is not None:

@@ -41,13 +41,13 @@ def passing_checks(path: Path) -> list[str]:
     nb = nbformat.read(path, as_version=4)
     checks = check_cells(nb)
     assert checks, f"{path.name} has no check cells"
-    client = notebook_client(
+    with notebook_client(
         nb,
         timeout=300,
         allow_errors=True,
         resources={"metadata": {"path": str(path.parent)}},
-    )
-    client.execute()
+    ) as client:
+        client.execute()
     return [
         c.metadata["nbgrader"]["grade_id"]
         for c in checks

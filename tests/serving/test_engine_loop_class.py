@@ -75,3 +75,38 @@ def test_a_crashed_engine_loop_fails_the_waiting_add_at_once_and_refuses_the_nex
             asyncio.run(add())
     finally:
         aengine.shutdown()
+
+
+def test_a_request_that_finished_inside_a_failed_step_fails_instead_of_waiting_forever(llm: LLM) -> None:
+    """A step can raise after a request finished in it (building the step's outputs, say): its final
+    output is lost with the step's, so the error names it too, and the loop fails it like the others."""
+    from nanolab.engine.engine import Engine
+    from nanolab.serving.async_engine import STOP, AddCommand
+
+    engine = Engine(llm.model, llm.tokenizer, llm.engine.config)
+    build = engine.outputs.step_outputs
+
+    def step_outputs(reqs, groups, finished_only):
+        if any(r.is_finished for r in reqs):
+            engine.outputs.step_outputs = build  # once
+            raise RuntimeError("building the outputs broke")
+        return build(reqs, groups, finished_only)
+
+    engine.outputs.step_outputs = step_outputs
+    loop = EngineLoop(engine)
+    params = [SamplingParams(max_tokens=3, temperature=0), SamplingParams(max_tokens=10, temperature=0)]
+    commands = [AddCommand(0, ["short", "long"], ["import os", "def f(x):"], params, 0, None), STOP]
+    rounds = []
+
+    def receive(timeout):
+        """The add at once; the stop (once) when the engine has nothing left to run."""
+        if len(commands) == 2 or (commands and not engine.has_unfinished()):
+            return commands.pop(0)
+        assert timeout is not None, "the loop would wait forever for a command"
+        return None
+
+    loop.run(receive, rounds.append)
+    failed = {rid: why for r in rounds for rid, why in r.failed}
+    finished = {o.request_id for r in rounds for o in r.outputs if o.finished}
+    assert set(failed) == {"short", "long"}, (failed, finished)
+    assert "building the outputs broke" in failed["short"] and not finished and not loop.live

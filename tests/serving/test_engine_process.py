@@ -6,6 +6,7 @@ aborts running requests, by test_server.py.)"""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import inspect
 import json
@@ -248,50 +249,115 @@ def test_nanolab_serve_exits_with_1_when_its_engine_process_dies(checkpoint: Pat
 
 def test_outputs_cross_as_deltas_and_arrive_equal_to_the_engine_s(checkpoint: Path) -> None:
     """A request's later outputs cross the socket as what changed (`OutputCodec`), and the front end
-    rebuilds each one equal to the engine's: with stop strings that cut text back, parallel samples whose
-    outputs name only the samples that changed, log-probabilities of the prompt and the output, aborts,
-    and preemptions in a pool too small for the batch. And a step's message no longer grows with the
-    prompts: late in the run it is a fraction of what the outputs pickled whole take."""
+    rebuilds each one equal to the engine's: with a stop string that cuts text back (its first half was
+    streamed, held back, in an earlier output), parallel samples whose outputs name only the samples that
+    changed, log-probabilities of the prompt and the output, an abort of a request that has streamed, and
+    preemptions in a pool too small for the batch. And a step's message no longer grows with the prompts:
+    late in the run it is a fraction of what the outputs pickled whole take."""
     from nanolab.engine.engine import Engine
     from nanolab.model.loading import load_model
     from nanolab.serving.engine_process import OutputCodec
 
     tokenizer = load_tokenizer(str(checkpoint))
-    engine = Engine(
-        load_model(str(checkpoint)),
-        tokenizer,
-        EngineConfig(block_size=4, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=32),
-    )
-    text = inspect.getsource(json)
-    prompts = [text[i * 97 : i * 97 + 40 + 5 * i] for i in range(10)]
+    source = inspect.getsource(json)
+    prompts = [source[i * 97 : i * 97 + 40 + 5 * i] for i in range(10)]
     params = [
-        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=1.0, seed=5, ignore_eos=True),
         SamplingParams(max_tokens=40, temperature=0.9, seed=1, stop=["e", "\n"]),
         SamplingParams(max_tokens=30, temperature=1.0, seed=2, n=3, logprobs=2),
         SamplingParams(max_tokens=25, temperature=0, prompt_logprobs=1, logprobs=0),
         SamplingParams(max_tokens=40, temperature=1.0, seed=3, stop=["ons", "ret"], n=2),
     ] * 2
-    engine.add_requests(prompts, params, request_ids=[f"r{i}" for i in range(len(prompts))])
+
+    def run(params: list[SamplingParams], on_step) -> None:
+        engine = Engine(
+            load_model(str(checkpoint)),
+            tokenizer,
+            EngineConfig(block_size=4, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=32),
+        )
+        engine.add_requests(prompts, params, request_ids=[f"r{i}" for i in range(len(prompts))])
+        steps = 0
+        while engine.has_unfinished():
+            steps += 1
+            on_step(engine, steps, engine.step())
+        assert engine.stats().preemptions > 0, "the pool was meant to be too small for the whole batch"
+
+    # r0's greedy tokens, to find a stop string across two of them: the text that streams the first half
+    # (held back) is cut back when the second arrives. Up to the stop, r0 runs the same in both runs.
+    finals = {}
+    run(params, lambda engine, step, produced: finals.update({o.request_id: o for o in produced}))
+    ids = finals["r0"].outputs[0].token_ids
+    texts = [tokenizer.decode(ids[:k]) for k in range(len(ids) + 1)]
+    stop = next(
+        a[-1] + b[len(a)]
+        for a, b in zip(texts[3:], texts[4:])
+        if a and b.startswith(a) and len(b) > len(a) and texts[-1].find(a[-1] + b[len(a)]) == len(a) - 1
+    )
+    params[0] = dataclasses.replace(params[0], stop=[stop])
+
     sender, receiver = OutputCodec(), OutputCodec()
-    outputs = deltas = whole = late_whole = late_wire = steps = 0
-    while engine.has_unfinished():
-        steps += 1
-        produced = engine.step()
-        if steps == 6:
-            produced.append(engine.abort("r7"))  # mid-run, its blocks freed and its last output sent
+    seen = dict(
+        outputs=0, deltas=0, late_whole=0, late_wire=0, cut_back=0, stopped=0, aborted=None, abort_delta=0
+    )
+    texts_so_far: dict[tuple[str, int], str] = {}
+
+    def cross(engine, step: int, produced: list) -> None:
+        if step == 15:  # a request that has streamed (the codec holds its last output) is aborted
+            victim = next(rid for rid in sorted(sender.last) if rid != "r0")
+            produced.append(engine.abort(victim))
+            seen["aborted"] = victim
         produced = [o for o in produced if o is not None]
         wire = [sender.encode(o) for o in produced]
-        deltas += sum(isinstance(w, tuple) for w in wire)
+        seen["deltas"] += sum(isinstance(w, tuple) for w in wire)
         received = pickle.loads(pickle.dumps(wire, protocol=pickle.HIGHEST_PROTOCOL))
         for original, w in zip(produced, received, strict=True):
             assert receiver.decode(w) == original
-            outputs += 1
-        size = len(pickle.dumps(wire, protocol=pickle.HIGHEST_PROTOCOL))
-        full = len(pickle.dumps(produced, protocol=pickle.HIGHEST_PROTOCOL))
-        whole += full
-        if steps > 20:
-            late_whole, late_wire = late_whole + full, late_wire + size
-    assert engine.stats().preemptions > 0, "the pool was meant to be too small for the whole batch"
-    assert outputs > 100 and deltas > outputs - 3 * len(prompts), (outputs, deltas)
+            seen["outputs"] += 1
+            if original.request_id == seen["aborted"] and original.finished:  # its last output, a delta
+                assert isinstance(w, tuple) and original.outputs[0].finish_reason == "abort"
+                seen["abort_delta"] += 1
+            for c in original.outputs:
+                before = texts_so_far.get((original.request_id, c.index), "")
+                seen["cut_back"] += not c.text.startswith(before)
+                seen["stopped"] += c.finish_reason == "stop"
+                texts_so_far[original.request_id, c.index] = c.text
+        if step > 20:
+            seen["late_wire"] += len(pickle.dumps(wire, protocol=pickle.HIGHEST_PROTOCOL))
+            seen["late_whole"] += len(pickle.dumps(produced, protocol=pickle.HIGHEST_PROTOCOL))
+
+    run(params, cross)
+    assert texts_so_far["r0", 0] == texts[-1][: texts[-1].find(stop)], "r0 stops at its stop string"
+    assert seen["cut_back"] >= 1 and seen["stopped"] >= 1 and seen["abort_delta"] == 1, seen
+    assert seen["outputs"] > 100 and seen["deltas"] > seen["outputs"] - 3 * len(prompts), seen
     assert not sender.last and not receiver.last, "finished requests are forgotten on both sides"
-    assert late_wire < late_whole / 3, (late_wire, late_whole)
+    assert seen["late_wire"] < seen["late_whole"] / 3, seen
+
+
+def test_a_failed_request_is_forgotten_on_both_sides_and_an_unreadable_output_fails_only_its_own() -> None:
+    from nanolab.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from nanolab.serving.async_engine import Round
+    from nanolab.serving.engine_process import OutputCodec
+
+    def output(rid: str, tokens: list[int], finished: bool = False) -> RequestOutput:
+        sample = CompletionOutput(0, None, tokens, None, "", tokens[-1:])
+        return RequestOutput(
+            rid, None, [1, 2], [sample], finished, RequestMetrics(0.0, None, None, 2, 1, 0, 0)
+        )
+
+    sender, receiver = OutputCodec(), OutputCodec()
+    for rnd in (Round(outputs=[output("a", [5]), output("b", [6])]), Round(outputs=[output("a", [5, 7])])):
+        receiver.decode_round(sender.encode_round(rnd))
+    assert set(sender.last) == set(receiver.last) == {"a", "b"}
+    failed = Round(failed=[("a", "the step failed")])
+    assert receiver.decode_round(sender.encode_round(failed)) == []
+    assert set(sender.last) == set(receiver.last) == {"b"}
+
+    # "b" is unknown to a fresh receiver: its delta cannot be read, so "b" fails (and is to be aborted),
+    # its later outputs are dropped until its last, and "c" in the same rounds arrives as usual
+    stranger = OutputCodec()
+    rnd = sender.encode_round(Round(outputs=[output("b", [6, 8]), output("c", [9])]))
+    assert stranger.decode_round(rnd) == ["b"]
+    assert [o.request_id for o in rnd.outputs] == ["c"] and rnd.failed[0][0] == "b"
+    rnd = sender.encode_round(Round(outputs=[output("b", [6, 8, 9], finished=True), output("c", [9, 1])]))
+    assert stranger.decode_round(rnd) == [] and [o.request_id for o in rnd.outputs] == ["c"]
+    assert not stranger.dropped and set(stranger.last) == {"c"}
