@@ -62,9 +62,8 @@ def notebook_client(nb, **options):
     config = Config()
     where = tempfile.mkdtemp(prefix="nbk-") if os.name == "posix" else None
     try:
-        if (
-            where is not None and len(where) < 80
-        ):  # an absolute path: the kernel runs in the notebook's folder
+        # an absolute path (the kernel runs in the notebook's folder), short enough for a socket's name
+        if where is not None and len(where) < 80:
             config.KernelManager.transport = "ipc"
             config.KernelManager.ip = os.path.join(where, "k")  # the sockets are k-1 .. k-5
         # the client makes (and so shuts down and cleans up after) its own kernel manager from the config

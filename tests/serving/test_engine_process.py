@@ -282,8 +282,8 @@ def test_outputs_cross_as_deltas_and_arrive_equal_to_the_engine_s(checkpoint: Pa
             on_step(engine, steps, engine.step())
         assert engine.stats().preemptions > 0, "the pool was meant to be too small for the whole batch"
 
-    # r0's greedy tokens, to find a stop string across two of them: the text that streams the first half
-    # (held back) is cut back when the second arrives. Up to the stop, r0 runs the same in both runs.
+    # r0's sampled tokens (seeded), to find a stop string across two of them: the text that streams the
+    # first half (held back) is cut back when the second arrives. Up to the stop, r0 runs the same in both.
     finals = {}
     run(params, lambda engine, step, produced: finals.update({o.request_id: o for o in produced}))
     ids = finals["r0"].outputs[0].token_ids
