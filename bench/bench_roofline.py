@@ -3,7 +3,7 @@
     python bench/bench_roofline.py            # a GPT-2-small-shaped model: 12 layers, 768 wide, ~89M parameters
     python bench/bench_roofline.py --quick    # a 2-layer, 256-wide model: a smoke test
     python bench/bench_roofline.py --device cuda   # the limits, the engine and HF on a GPU (skipped without one)
-    python bench/bench_roofline.py --prepack-weights   # the engine's products through oneDNN's weight layouts
+    python bench/bench_roofline.py --prepack-weights   # the engine's products through EngineConfig.prepack_weights
 
 The limits, measured first (and again beside each run of the engine, below):
 
@@ -157,7 +157,8 @@ def products_seconds(
     model: Transformer, rows: int, device: torch.device, prepack_weights: bool = False
 ) -> float:
     """Seconds for ``rows`` token rows to go through every matrix of ``model`` once (best of several), as the
-    engine multiplies them: with ``prepack_weights``, the layers' through their oneDNN layouts."""
+    engine multiplies them: with ``prepack_weights``, the layers' through their oneDNN layouts (at 1 or 2 rows,
+    nanolab's kernel)."""
     linears = list(dict.fromkeys(m for m in model.modules() if isinstance(m, torch.nn.Linear)))
     inputs = {m.in_features: torch.randn(rows, m.in_features, device=device) for m in linears}
     layouts = Prepacked.for_model(model).active() if prepack_weights else contextlib.nullcontext()
@@ -198,7 +199,8 @@ def main() -> None:
     parser.add_argument(
         "--prepack-weights",
         action="store_true",
-        help="the engine's layers multiply through oneDNN's layouts of the weights (EngineConfig.prepack_weights)",
+        help="the engine's layers multiply through oneDNN's layouts of the weights, and at 1 or 2 rows through "
+        "nanolab's kernel (EngineConfig.prepack_weights)",
     )
     args = parser.parse_args()
     try:
@@ -234,7 +236,7 @@ def main() -> None:
     weights = matrix_weights(config)
     print(f"model: {config.arch}, {config.n_layers} layers x {config.d_model} wide, {params / 1e6:.1f}M parameters "
           f"({weights / 1e6:.1f}M in the matrices a token goes through); the engine's products: "
-          f"{'through oneDNN layouts of the weights (prepack_weights)' if args.prepack_weights else 'F.linear'}")  # fmt: skip
+          f"{'oneDNN layouts of the weights, 1-2 rows by linear_rows (prepack_weights)' if args.prepack_weights else 'F.linear'}")  # fmt: skip
 
     runs = beside_limits(lambda seed: decode_rate(model, 1, 8, new_tokens, seed, device, args.prepack_weights),
                          lambda: memory_bandwidth(megabytes, device, rounds=3))  # fmt: skip

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "block_allocator.h"
+#include "linear_rows.h"
 #include "paged_attention.h"
 
 namespace py = pybind11;
@@ -73,6 +74,25 @@ py::array_t<float> paged_attention(const FloatArray& q, const FloatArray& k_cach
   return out;
 }
 
+py::array_t<float> linear_rows(const FloatArray& x, const FloatArray& weight, const std::optional<FloatArray>& bias,
+                               int num_threads) {
+  expect(x.ndim() == 2, "x must be (rows, in), got shape " + shape_of(x));
+  expect(weight.ndim() == 2, "weight must be (out, in), got shape " + shape_of(weight));
+  expect(weight.shape(1) == x.shape(1),
+         "x " + shape_of(x) + " has " + std::to_string(x.shape(1)) + " columns but weight " + shape_of(weight) +
+             " has " + std::to_string(weight.shape(1)));
+  if (bias) {
+    expect(bias->ndim() == 1 && bias->shape(0) == weight.shape(0),
+           "bias " + shape_of(*bias) + " needs one entry per row of weight " + shape_of(weight));
+  }
+  py::array_t<float> y({x.shape(0), weight.shape(0)});
+  const float* b = bias ? bias->data() : nullptr;
+  float* out = y.mutable_data();
+  py::gil_scoped_release release;  // the arrays stay alive: the caller's frame holds them
+  nanolab::linear_rows(x.data(), x.shape(0), x.shape(1), weight.data(), weight.shape(0), b, out, num_threads);
+  return y;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -112,4 +132,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_threads"),
         "Paged attention over nanolab's KV layout (see csrc/paged_attention.h); returns a new "
         "(num_tokens, n_heads, head_dim) float32 array. query_start_loc=None means decode.");
+
+  m.def("linear_rows", &linear_rows, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("num_threads"),
+        "x @ weight.T + bias for a few rows of x (see csrc/linear_rows.h); returns a new (rows, out) float32 "
+        "array. bias may be None.");
 }

@@ -1,5 +1,8 @@
 #include "paged_attention.h"
 
+#include "parallel.h"
+#include "vec8.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -8,32 +11,13 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
-#include <system_error>
-#include <thread>
 #include <vector>
-
-// On x86-64 with GCC or Clang, the hot function is compiled twice (AVX2+FMA and baseline) and the
-// loader picks the one the CPU supports, so a portable build still gets wide vectors.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && defined(__linux__)
-#define NANOLAB_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define NANOLAB_CLONES
-#endif
 
 namespace nanolab {
 
 namespace {
 
 constexpr int64_t kRowsPerItem = 16;     // query rows of one sequence handled by one work item
-// Below this many multiply-adds, sharing the work costs more than it saves. OpenMP's team is started
-// already (torch's, whose threads spin a while after each parallel region); threads of our own start
-// for each call.
-#ifdef NANOLAB_OPENMP
-constexpr int64_t kSerialWork = 100000;
-#else
-constexpr int64_t kSerialWork = 1500000;
-#endif
-
 // One unit of work: query rows [row_begin, row_end) of one sequence, for the query heads that read
 // kv heads [head_begin, head_end). Rows are relative to the sequence's first query row.
 struct Item {
@@ -60,22 +44,6 @@ int64_t query_begin(const PagedAttentionArgs& a, int64_t s) {
 int64_t query_len(const PagedAttentionArgs& a, int64_t s) {
   return a.query_start_loc ? a.query_start_loc[s + 1] - a.query_start_loc[s] : 1;
 }
-
-// Eight floats that the compiler keeps in one vector register (GCC and Clang vector extensions): an
-// AVX register in the x86-64-v3 clone, two SSE registers in the baseline one. Lane i of a sum adds up
-// elements i, i + 8, i + 16, ... in order; every sum below is this, then a fixed tree over the lanes,
-// so a result depends only on its inputs, never on the batch or the threads.
-typedef float Vec8 __attribute__((vector_size(32)));
-
-inline Vec8 load8(const float* p) {
-  Vec8 v;
-  std::memcpy(&v, p, sizeof v);  // an unaligned vector load
-  return v;
-}
-
-inline void store8(float* p, Vec8 v) { std::memcpy(p, &v, sizeof v); }
-
-inline float reduce8(Vec8 v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
 
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
   Vec8 acc = {};
@@ -375,29 +343,7 @@ void paged_attention(const PagedAttentionArgs& a, int num_threads) {
   };
   const int64_t n_threads =
       total < kSerialWork ? 1 : std::max<int64_t>(1, std::min<int64_t>(num_threads, items.size()));
-#ifdef NANOLAB_OPENMP
-  // Built with OpenMP: the work runs on OpenMP's thread team. Imported after torch's CPU build, this is
-  // torch's own team (the process has one libgomp.so.1 and torch's was loaded first), whose threads are
-  // started already and often still spin-waiting after the last matmul. Threads of our own would share the
-  // cores with those spinning threads; these are the same threads.
-  if (n_threads > 1) {
-#pragma omp parallel num_threads(static_cast<int>(n_threads))
-    worker();
-  } else {
-    worker();
-  }
-#else
-  std::vector<std::thread> threads;
-  for (int64_t i = 1; i < n_threads; ++i) {
-    try {
-      threads.emplace_back(worker);
-    } catch (const std::system_error&) {
-      break;  // the system refused another thread: the ones running share the work
-    }
-  }
-  worker();  // the calling thread works too
-  for (auto& t : threads) t.join();
-#endif
+  run_threads(n_threads, worker);
   if (error) std::rethrow_exception(error);
 }
 

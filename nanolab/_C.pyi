@@ -39,5 +39,19 @@ def paged_attention(
     block_tables (B, max_blocks); context_lens (B,); query_start_loc (B + 1,) or None for decode
     (T == B, one query per sequence). All C-contiguous; a wrong dtype or layout is silently copied,
     so call it through `nanolab.attention`, which checks. Raises ValueError for bad shapes or indices.
-    Runs on up to num_threads std::threads with the GIL released.
+    Runs on up to num_threads threads (OpenMP's team where it was built with OpenMP) with the GIL released.
+    """
+
+def linear_rows(
+    x: NDArray[np.float32],
+    weight: NDArray[np.float32],
+    bias: NDArray[np.float32] | None,
+    num_threads: int,
+) -> NDArray[np.float32]:
+    """``x @ weight.T + bias`` for a few rows of x, reading the weight in place; returns a new (rows, out).
+
+    x (rows, in); weight (out, in); bias (out,) or None. All C-contiguous float32; a wrong dtype or layout is
+    silently copied, so call it through `nanolab.model.prepacked.linear`, which checks. Raises ValueError for
+    shapes that do not fit. Runs on up to num_threads threads with the GIL released; each output is the same
+    float whatever the number of rows or threads.
     """

@@ -47,8 +47,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
     from nanolab._version import __version__
 
     print(f"nanolab {__version__}")
-    if _ext.HAS_C:  # paged attention's threads: OpenMP's team (torch's) when built with OpenMP
-        print(f"kernels: cpp (paged attention on {getattr(_ext._C, 'threading', 'std::thread')} threads)")
+    if _ext.HAS_C:  # the kernels' threads: OpenMP's team (torch's) when built with OpenMP
+        threads = getattr(_ext._C, "threading", "std::thread")
+        print(f"kernels: cpp (paged attention and prepack_weights' 1-2 row products on {threads} threads)")
     else:
         print(f"kernels: python ({_ext.why_pure})")
     from nanolab.engine.device import describe_cuda

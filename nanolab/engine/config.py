@@ -75,7 +75,7 @@ class EngineConfig:
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS  # which waiting request is admitted next
     aging_steps: int = 16  # with the priority policy: steps of waiting that count as one level of priority
     attention_backend: AttentionBackend = AttentionBackend.AUTO  # paged decode attention implementation
-    prepack_weights: bool = False  # lay the layers' weights out once for oneDNN: faster products of 4+ rows on the CPU, a second copy of the weights in memory, float rounding unlike F.linear's
+    prepack_weights: bool = False  # faster layer products on the CPU: the weights laid out once for oneDNN (a second copy in memory), and 1-2 rows through nanolab's own kernel; float rounding unlike F.linear's
     tensor_parallel_size: int = 1  # processes the model is split over (tensor parallelism; gloo on the CPU)
     device: str = (
         "cpu"  # torch device of the model, the KV pool and each step's tensors: cpu, cuda, cuda:N, ...

@@ -139,7 +139,8 @@ class ModelRunner:
         self.forward_seconds = 0.0  # the model's share of the last `run`
         # speculative decoding: the engine's `Speculator`, whose rules check the guesses (None: nanolab's)
         self.speculator: speculative.Speculator | None = None
-        # the layers' weights laid out for oneDNN, used inside this runner's forward only (None: F.linear)
+        # the layers' faster products (oneDNN's layouts; nanolab's kernel at 1-2 rows), inside this runner's
+        # forward only (None: F.linear)
         self.prepacked = Prepacked.for_model(model) if prepack_weights else None
 
     @torch.inference_mode()

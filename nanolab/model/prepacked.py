@@ -1,4 +1,4 @@
-"""Matrix products over weights laid out once for oneDNN: a faster CPU path for the engine (opt-in).
+"""The layers' matrix products on the CPU, faster than F.linear's (opt-in, `EngineConfig.prepack_weights`).
 
 On the CPU, `torch.nn.functional.linear` hands each product to MKL's sgemm, which first copies the
 weight matrix into the blocked layout its inner loops read, on every call. With few rows (a decode step
@@ -6,23 +6,30 @@ of a few dozen requests) that copy is a large share of the product. `Prepacked` 
 of a model's layers out once, in oneDNN's layout, and `linear` then multiplies with it directly
 (``torch.ops.mkldnn._linear_pointwise``), applying GPT-2's GELU in the same call.
 
-Measured on 2 cores with the GPT-2-small-shaped model of ``bench/bench_roofline.py``: every layer's
-products together take about 0.75x F.linear's time at 64 rows; one 768 x 3072 product with its GELU
-0.5-0.65x at 4 to 16 rows, and at 1 or 2 rows the same as F.linear, so products of fewer than
-`MIN_ROWS` rows use F.linear.
+Products of one or two rows (a decode step at batch 1 or 2) read the weight as it is, through
+``nanolab._C.linear_rows`` (csrc/linear_rows.h) where the C++ kernels are built: all there is to such
+a product is reading the weight from memory, and the kernel streams it on every thread, serving both rows
+from each weight row it loads.
+
+Measured on 2 cores with the GPT-2-small-shaped model's layer shapes (``bench/bench_roofline.py``), the
+weights read per second, 40 matrices one after another: at 1 row, F.linear 14 GB/s, oneDNN 22-24 and
+``linear_rows`` 28-30 (streaming a buffer: 31); at 2 rows 8, 20-21 and 27; at 3 rows 7, 24-27 and 22,
+so products of `KERNEL_MAX_ROWS` rows or fewer take the kernel and longer ones oneDNN. Every layer's
+products at 64 rows together take about 0.75x F.linear's time.
 
 The layouts belong to an engine, not to the model: `linear` uses them only inside `Prepacked.active`,
 which the engine's model runner puts around its forward. Another engine, or a learner's runner, on the
-same model computes as F.linear does, and so does a product whose gradient is wanted (oneDNN's call has
-none). A weight changed through its parameter after it was laid out (``copy_``, ``mul_``,
+same model computes as F.linear does, and so does a product whose gradient is wanted (neither call has
+one). A weight changed through its parameter after it was laid out (``copy_``, ``mul_``,
 ``load_state_dict``, a new tensor assigned) is multiplied by F.linear, not by its stale copy: its version
 counter or its storage has moved. A write that bypasses the counter (through ``weight.data``, a NumPy view,
-or a weight made under ``torch.inference_mode``, which has no counter) is not seen: build a new engine
-after one.
+or a weight made under ``torch.inference_mode``, which has no counter) is seen by the kernel, which reads
+the weight itself, but not by the layouts, so products would then depend on their number of rows: build
+a new engine after one.
 
-oneDNN sums each product in another order than MKL, so results differ from F.linear's by float rounding
-(about 1e-6 relative). Greedy outputs can then differ where the top two logits are that close; that is
-why the layouts are not the default.
+oneDNN and the kernel sum each product in another order than MKL, so results differ from F.linear's by
+float rounding (about 1e-6 relative). Greedy outputs can then differ where the top two logits are that
+close; that is why the layouts are not the default.
 """
 
 from __future__ import annotations
@@ -34,8 +41,12 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-MIN_ROWS = 4
-"""Products with fewer rows use F.linear (at 1 or 2 rows oneDNN's call is no faster)."""
+from nanolab import _ext
+
+KERNEL_MAX_ROWS = 2
+"""Products of this many rows or fewer go through ``nanolab._C.linear_rows`` where it is built."""
+
+HAS_KERNEL = _ext.HAS_C and hasattr(_ext._C, "linear_rows")
 
 _ACTIVE: contextvars.ContextVar[dict[int, tuple[torch.Tensor, int, int, torch.Tensor]] | None] = (
     contextvars.ContextVar("nanolab_prepacked", default=None)
@@ -92,18 +103,43 @@ def _version(w: torch.Tensor) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False):
-    """``F.linear(x, weight, bias)``, then GELU (tanh approximation) if ``gelu``; through a `Prepacked`
-    layout of ``weight`` where one is active and up to date and ``x`` is (rows, in) with rows >=
-    `MIN_ROWS`."""
+    """``F.linear(x, weight, bias)``, then GELU (tanh approximation) if ``gelu``. Where a `Prepacked`
+    layout of ``weight`` is active and up to date, no gradient is wanted and ``x`` is (rows, in) float32:
+    through ``nanolab._C.linear_rows`` for up to `KERNEL_MAX_ROWS` rows (where the C++ kernels are built),
+    else through the layout."""
     active = _ACTIVE.get()
-    if active is not None and x.dim() == 2 and x.shape[0] >= MIN_ROWS:
+    if active is not None and x.dim() == 2 and x.shape[0] > 0 and x.dtype is torch.float32:
         entry = active.get(id(weight))
         grad = torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         )
         if entry is not None and not grad and entry[1] == _version(weight) and entry[2] == weight.data_ptr():
+            if HAS_KERNEL and x.shape[0] <= KERNEL_MAX_ROWS and _streamable(x, weight, bias):
+                y = _linear_rows(x, weight, bias)
+                return F.gelu(y, approximate="tanh") if gelu else y
+            if bias is not None:
+                bias = bias.contiguous()  # oneDNN's call reads a bias as if it were (it ignores strides)
             if gelu:
                 return torch.ops.mkldnn._linear_pointwise(x, entry[3], bias, "gelu", [], "tanh")
             return torch.ops.mkldnn._linear_pointwise(x, entry[3], bias, "none", [], "")
     y = F.linear(x, weight, bias)
     return F.gelu(y, approximate="tanh") if gelu else y
+
+
+def _streamable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the kernel can read the tensors in place: contiguous float32 (the kernel's binding would
+    copy anything else)."""
+    return (
+        x.is_cpu
+        and x.is_contiguous()
+        and not x.is_neg()  # a lazily negated view, which NumPy cannot take
+        and weight.is_contiguous()
+        and (bias is None or (bias.dtype is torch.float32 and bias.is_contiguous() and bias.is_cpu))
+    )
+
+
+def _linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``nanolab._C.linear_rows`` on zero-copy NumPy views, on torch's threads."""
+    b = None if bias is None else bias.detach().numpy()
+    y = _ext._C.linear_rows(x.detach().numpy(), weight.detach().numpy(), b, torch.get_num_threads())
+    return torch.from_numpy(y)

@@ -32,7 +32,7 @@ from torch import nn
 from nanolab.model.attention import sdpa
 from nanolab.model.config import ModelConfig
 from nanolab.model.kv_cache import KVCacheProtocol
-from nanolab.model.prepacked import linear  # F.linear, or where an engine activates them, oneDNN's layouts
+from nanolab.model.prepacked import linear  # F.linear, or where an engine activates them, its faster products
 from nanolab.model.tensor_parallel import TPShard, check_shardable, head_ranges, shard_state_dict
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos and sin for each token, (..., 1, head_dim) each

@@ -82,8 +82,9 @@ def test_preemption_gives_the_same_output(model, workload, record_property):
 def test_prepacked_weights_give_the_same_output_alone_or_batched_chunked_and_preempted(
     model, workload, record_property
 ):
-    """Through oneDNN's layouts of the weights, products of 4 rows or more are summed in another order
-    than F.linear's: the outputs still equal the reference, near-ties aside."""
+    """Through oneDNN's layouts of the weights (3 rows or more) and nanolab's own kernel (1 or 2 rows),
+    products are summed in another order than F.linear's: the outputs still equal the reference, near-ties
+    aside. Alone, every decode step is a product of one row."""
     prompts, lengths, _ = workload
     alone = [run(model, [p], [n], prepack_weights=True)[1][0] for p, n in zip(prompts, lengths)]
     check_all(workload, alone, record_property)

@@ -1,5 +1,6 @@
 """oneDNN layouts of the weights (`EngineConfig.prepack_weights`): used only where an engine activates
-them, for products of 4 rows or more, never once a weight has changed; the engine keeps them to itself."""
+them, for products of 3 rows or more (fewer go through nanolab._C.linear_rows), never once a weight has
+changed; the engine keeps them to itself."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from helpers.engine_utils import random_prompts, tiny_model
 from nanolab.engine.config import EngineConfig
 from nanolab.engine.llm import LLM
 from nanolab.model import prepacked
-from nanolab.model.prepacked import MIN_ROWS, Prepacked, linear
+from nanolab.model.prepacked import HAS_KERNEL, KERNEL_MAX_ROWS, Prepacked, linear
 from nanolab.model.sampling import SamplingParams
 
 needs_onednn = pytest.mark.skipif(not prepacked.available(), reason="this build of torch lacks oneDNN")
@@ -49,9 +50,25 @@ def test_linear_is_f_linear_where_no_layout_is_active(gelu):
     assert torch.equal(linear(x, w, gelu=gelu), reference(x, w, None, gelu))
 
 
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """How many products went through nanolab._C.linear_rows."""
+    calls = []
+    real = prepacked._linear_rows
+
+    def spy(x, weight, bias):
+        calls.append(x.shape[0])
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(prepacked, "_linear_rows", spy)
+    return calls
+
+
 @needs_onednn
 @pytest.mark.parametrize("gelu", [False, True])
-def test_an_active_layout_serves_products_of_4_rows_or_more(gelu, onednn_calls):
+def test_an_active_layout_serves_products_of_3_rows_or_more_and_the_kernel_fewer(
+    gelu, onednn_calls, kernel_calls
+):
     w, b = weights()
     packed = Prepacked([w])
     rows = [1, 2, 3, 4, 5, 16, 64]
@@ -59,14 +76,32 @@ def test_an_active_layout_serves_products_of_4_rows_or_more(gelu, onednn_calls):
         for n in rows:
             x = torch.randn(n, 48)
             got = linear(x, w, b, gelu=gelu)
-            if n < MIN_ROWS:
-                assert torch.equal(got, reference(x, w, b, gelu)), n
-            else:
-                torch.testing.assert_close(got, reference(x, w, b, gelu), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got, reference(x, w, b, gelu), atol=1e-5, rtol=1e-5)
+            if n <= KERNEL_MAX_ROWS and HAS_KERNEL:
+                y = prepacked._ext._C.linear_rows(x.numpy(), w.detach().numpy(), b.numpy(), 1)
+                want = torch.from_numpy(y)
+                assert torch.equal(got, F.gelu(want, approximate="tanh") if gelu else want)
         other, _ = weights(seed=1)  # a weight it did not lay out
         linear(torch.randn(8, 48), other, b)
-    assert onednn_calls == [n for n in rows if n >= MIN_ROWS]
-    assert MIN_ROWS == 4
+        linear(torch.randn(1, 48), other, b)
+    assert KERNEL_MAX_ROWS == 2
+    kernel_rows = [n for n in rows if n <= KERNEL_MAX_ROWS] if HAS_KERNEL else []
+    assert kernel_calls == kernel_rows
+    assert onednn_calls == [n for n in rows if n not in kernel_rows]
+
+
+@needs_onednn
+def test_the_kernel_takes_only_what_it_reads_in_place(onednn_calls, kernel_calls):
+    """Rows or a bias that are not contiguous: oneDNN's call, with the bias made contiguous (oneDNN reads a
+    strided bias as if it were not)."""
+    w, b = weights()
+    with Prepacked([w]).active(), torch.no_grad():
+        x = torch.randn(48, 2).t()  # (2, 48), not contiguous
+        torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+        x, b = torch.randn(1, 48), torch.randn(160)[::2]
+        torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    assert kernel_calls == []
+    assert onednn_calls == [2, 1]
 
 
 @needs_onednn
@@ -108,6 +143,20 @@ def test_an_engine_takes_a_model_made_under_inference_mode():
     packed = LLM(model, None, block_size=4, prepack_weights=True).generate(prompts, params, use_tqdm=False)
     plain = LLM(model, None, block_size=4).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in packed] == [o.outputs[0].token_ids for o in plain]
+
+
+@needs_onednn
+@pytest.mark.skipif(not HAS_KERNEL, reason="the C++ kernels are not built")
+def test_a_decode_at_batch_1_goes_through_the_kernel(kernel_calls, onednn_calls):
+    model = tiny_model("gpt2", seed=6)
+    prompt = random_prompts(1, model.config.vocab_size, 6, 7, seed=3)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    packed = LLM(model, None, block_size=4, prepack_weights=True).generate(prompt, params, use_tqdm=False)
+    # 4 decode steps (the first token comes from the prefill), each through the layers' 4 products
+    assert kernel_calls == [1] * (4 * 4 * model.config.n_layers)
+    assert onednn_calls and all(rows >= 6 for rows in onednn_calls)  # the prefill's
+    plain = LLM(model, None, block_size=4).generate(prompt, params, use_tqdm=False)
+    assert packed[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
 
 
 @needs_onednn

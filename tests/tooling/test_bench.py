@@ -92,6 +92,29 @@ def test_bench_attention_quick(flags):
     assert len(re.findall(r"q_len\s+\d+: torch\s+[\d.]+\s+C\+\+\s+(?:[\d.]+|nan)", out)) == 2, out
 
 
+@pytest.mark.timeout(300)
+def test_bench_linear_quick():
+    """Every way runs on 1 and 3 rows (agreeing with F.linear, or the bench stops), and the rows mark what
+    prepack_weights uses: the kernel at 1 row, oneDNN at 3."""
+    from nanolab.model.prepacked import HAS_KERNEL, available
+
+    out = run_bench("bench_linear.py")
+    assert re.search(r"reading a buffer of that size: [\d.]+ GB/s", out), out
+    ways = ["F.linear"] + ["oneDNN"] * available() + ["linear_rows"] * HAS_KERNEL
+    for rows in (1, 3):
+        line = re.search(rf"^\s+{rows}\s+F\.linear.*$", out, re.M)
+        assert line, out
+        assert re.findall(r"([\w.]+)\s+[\d.]+ \(\s*[\d.]+x\)", line.group()) == ways, line.group()
+        if HAS_KERNEL and available():
+            assert re.search(
+                r"linear_rows\s+[\d.]+ \(\s*[\d.]+x\) \*"
+                if rows == 1
+                else r"oneDNN\s+[\d.]+ \(\s*[\d.]+x\) \*",
+                line.group(),
+            ), line.group()
+    assert "every way agrees with F.linear (checked)" in out
+
+
 @pytest.mark.timeout(600)
 def test_bench_server_quick():
     out = run_bench("bench_server.py")
@@ -107,7 +130,9 @@ def test_bench_server_quick():
 @pytest.mark.parametrize("flags", [[], ["--prepack-weights"]], ids=["F.linear", "prepacked"])
 def test_bench_roofline_quick(flags):
     out = run_bench("bench_roofline.py", *flags)
-    assert ("through oneDNN layouts of the weights" in out) == bool(flags), out
+    assert ("oneDNN layouts of the weights, 1-2 rows by linear_rows (prepack_weights)" in out) == bool(
+        flags
+    ), out
     assert re.search(
         r"limits \(\d+ torch threads\): fp32 matmul [\d.]+ GFLOP/s, memory bandwidth [\d.]+ GB/s", out
     )

@@ -1,0 +1,94 @@
+"""The layers' matrix products at a few rows: F.linear, oneDNN's prepacked layouts and nanolab's kernel.
+
+A decode step at batch 1 or 2 multiplies one or two rows by every weight matrix of the model, and all there
+is to such a product is reading the weight from memory. This bench runs the matrices of a GPT-2-small-shaped
+layer (768 wide, 3072 in the MLP), 10 copies of each so that they do not fit in the caches, one after
+another, at 1 to 8 rows, each way:
+
+- ``F.linear``: MKL's sgemm, the engine's default;
+- oneDNN: ``torch.ops.mkldnn._linear_pointwise`` on layouts made once (``prepack_weights``, 3 rows or more);
+- ``linear_rows``: ``nanolab._C.linear_rows``, reading the weight as it is (``prepack_weights``, 1 or 2 rows).
+
+It prints the weights read per second and each way's time as a multiple of F.linear's, beside the rate at
+which the machine reads a buffer of the same size (``torch.sum``), all on every thread torch has, taking
+turns in a shuffled order, best of several rounds; and checks that the three agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from bench_attention import race
+
+from nanolab.model.prepacked import HAS_KERNEL, KERNEL_MAX_ROWS, _linear_rows, available
+
+
+def ways(
+    xs: dict[int, torch.Tensor], weights: list[torch.Tensor], biases: list[torch.Tensor], packed: list | None
+) -> dict[str, Callable[[], list[torch.Tensor]]]:
+    """Each way of multiplying the rows ``xs`` (by width) by every weight in turn."""
+    fns = {"F.linear": lambda: [F.linear(xs[w.shape[1]], w, b) for w, b in zip(weights, biases)]}
+    if packed is not None:
+        fns["oneDNN"] = lambda: [
+            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, b, "none", [], "")
+            for w, p, b in zip(weights, packed, biases)
+        ]
+    if HAS_KERNEL:
+        fns["linear_rows"] = lambda: [_linear_rows(xs[w.shape[1]], w, b) for w, b in zip(weights, biases)]
+    return fns
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 8])
+    parser.add_argument("--min-time", type=float, default=0.5, help="seconds spent timing each way")
+    parser.add_argument("--quick", action="store_true", help="small matrices, short timings (a smoke test)")
+    args = parser.parse_args()
+    d, f, copies = 768, 3072, 10
+    if args.quick:
+        d, f, copies, args.rows, args.min_time = 64, 256, 2, [1, 3], 0.01
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(3 * d, d), (d, d), (f, d), (d, f)] * copies  # q/k/v, out, MLP up, MLP down
+    weights = [torch.randn(shape, generator=gen) * 0.05 for shape in shapes]
+    biases = [torch.randn(shape[0], generator=gen) for shape in shapes]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights] if available() else None
+    nbytes = sum(w.numel() for w in weights) * 4
+    buffer = torch.ones(nbytes // 4)
+
+    print(f"matrix products, fp32, {torch.get_num_threads()} torch threads: {len(weights)} matrices of a "
+          f"{d}-wide layer, {nbytes / 2**20:.1f} MB of weights")  # fmt: skip
+    if packed is None:
+        print("  (this build of torch lacks oneDNN: no oneDNN column)")
+    if not HAS_KERNEL:
+        print("  (the C++ kernels are not built or NANOLAB_PURE_PYTHON is set: no linear_rows column)")
+    read = race({"read": lambda: buffer.sum()}, args.min_time)["read"]
+    print(f"reading a buffer of that size: {nbytes / read / 1e6:.1f} GB/s")
+    print("\nrows   weights read per second, GB/s (time / F.linear's)")
+    for rows in args.rows:
+        xs = {n: torch.randn(rows, n, generator=gen) for n in (d, f)}
+        fns = ways(xs, weights, biases, packed)
+        want = fns["F.linear"]()
+        for name, fn in fns.items():
+            for got, ref in zip(fn(), want):
+                torch.testing.assert_close(
+                    got, ref, rtol=1e-4, atol=1e-4, msg=f"{name} disagrees with F.linear"
+                )
+        ms = race(fns, args.min_time)
+        cells = [
+            f"{name} {nbytes / t / 1e6:6.1f} ({t / ms['F.linear']:4.2f}x)"
+            + (
+                " *"
+                if name == ("linear_rows" if rows <= KERNEL_MAX_ROWS and HAS_KERNEL else "oneDNN")
+                else ""
+            )
+            for name, t in ms.items()
+        ]
+        print(f"{rows:>4}   " + "   ".join(cells))
+    print("\n* what prepack_weights uses at that many rows; every way agrees with F.linear (checked)")
+
+
+if __name__ == "__main__":
+    main()
