@@ -7,8 +7,10 @@
 
 The limits, measured first (and again beside each run of the engine, below):
 
-- **matmul peak**: fp32 FLOP/s of ``torch.mm`` on square matrices (2048, or 512 with --quick), on every
-  thread torch has, the best of several rounds;
+- **matmul peak**: fp32 FLOP/s of a product of square matrices (2048, or 512 with --quick), on every
+  thread torch has, the best of several rounds: the faster of ``torch.mm`` and, on the CPU, oneDNN's
+  product on a layout of the weight (the one ``prepack_weights`` uses), since neither library is the
+  faster one on every CPU (MKL leaves AVX-512 unused on AMD's);
 - **memory bandwidth**: bytes per second copying a buffer much larger than the caches (256 MB, read
   and written: twice its size moved per copy), the best of several rounds.
 
@@ -50,6 +52,7 @@ import torch
 from nanolab import LLM, SamplingParams
 from nanolab.engine.device import DeviceUnavailableError, check_device
 from nanolab.engine.stats import StepRecord
+from nanolab.model import prepacked
 from nanolab.model.config import ModelConfig
 from nanolab.model.hf import to_hf
 from nanolab.model.prepacked import Prepacked, linear
@@ -77,9 +80,14 @@ def best_of(fn, rounds: int, device: torch.device | None = None) -> float:
 
 
 def matmul_peak(n: int, device: torch.device, rounds: int = 5) -> float:
-    """fp32 FLOP/s of an n x n matrix product."""
+    """fp32 FLOP/s of an n x n matrix product: torch.mm's, or on the CPU oneDNN's where that is faster."""
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    return 2 * n**3 / best_of(lambda: torch.mm(a, b), rounds, device)
+    seconds = best_of(lambda: torch.mm(a, b), rounds, device)
+    if device.type == "cpu" and prepacked.available():
+        layout = torch.ops.mkldnn._reorder_linear_weight(b, n)
+        product = torch.ops.mkldnn._linear_pointwise
+        seconds = min(seconds, best_of(lambda: product(a, layout, None, "none", [], ""), rounds, device))
+    return 2 * n**3 / seconds
 
 
 def memory_bandwidth(megabytes: int, device: torch.device, rounds: int = 5) -> float:

@@ -167,7 +167,8 @@ class ModelRunner:
             for row, d in zip(batch.sample_rows, batch.num_drafts):
                 firsts.append(len(rows))
                 rows += range(row, row + d + 1)
-        logits = self.model.compute_logits(hidden[rows]) if batch.to_sample else None
+        with self._products():
+            logits = self.model.compute_logits(hidden[rows]) if batch.to_sample else None
         all_logits = logits
         if firsts is not None and logits is not None:
             logits = logits[firsts]
@@ -201,8 +202,13 @@ class ModelRunner:
             self.kv_cache.copy_blocks(blocks_to_copy)
         positions = self.kv_cache.prepare(seqs)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        with self.prepacked.active() if self.prepacked is not None else contextlib.nullcontext():
+        with self._products():
             return self.model(ids, positions, self.kv_cache)
+
+    def _products(self) -> contextlib.AbstractContextManager:
+        """Inside this block the model's products are the runner's faster ones (`prepack_weights`), if it has
+        them, else F.linear."""
+        return self.prepacked.active() if self.prepacked is not None else contextlib.nullcontext()
 
     def close(self) -> None:
         """Release what the runner holds beyond memory (a tensor-parallel runner's workers); nothing here."""

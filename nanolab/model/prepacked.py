@@ -9,7 +9,8 @@ of a model's layers out once, in oneDNN's layout, and `linear` then multiplies w
 Products of one or two rows (a decode step at batch 1 or 2) read the weight as it is, through
 ``nanolab._C.linear_rows`` (csrc/linear_rows.h) where the C++ kernels are built: all there is to such
 a product is reading the weight from memory, and the kernel streams it on every thread, serving both rows
-from each weight row it loads.
+from each weight row it loads. The output layer's weight is laid out too (`Transformer.compute_logits`),
+so a step's logits go the same ways.
 
 Measured on 2 cores with the GPT-2-small-shaped model's layer shapes (``bench/bench_roofline.py``), the
 weights read per second, 40 matrices one after another: at 1 row, F.linear 14 GB/s, oneDNN 22-24 and
@@ -77,12 +78,12 @@ class Prepacked:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> Prepacked:
-        """The weight matrices of every layer of a nanolab `Transformer` (attention and MLP); the output
-        layer computes its logits with F.linear."""
+        """The weight matrices of every layer of a nanolab `Transformer` (attention and MLP) and of its output
+        layer (`Transformer.compute_logits`; tied to the embeddings or not, the layout is a copy)."""
         weights = [
             m.weight for layer in model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)
         ]
-        return cls(weights)
+        return cls([*weights, model.lm_head.weight])
 
     def __len__(self) -> int:
         return len(self._packed)

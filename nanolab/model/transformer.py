@@ -302,8 +302,9 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, d_model) hidden states from `forward` -> (N, vocab_size) logits."""
-        return self.lm_head(hidden)
+        """(N, d_model) hidden states from `forward` -> (N, vocab_size) logits: ``self.lm_head(hidden)``, or
+        inside an engine's step with `prepack_weights`, its kernel at 1 or 2 rows."""
+        return linear(hidden, self.lm_head.weight, self.lm_head.bias)
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Plain forward with no KV cache: (B, S) token ids -> (B, S, vocab_size) logits.

@@ -152,9 +152,9 @@ def test_a_decode_at_batch_1_goes_through_the_kernel(kernel_calls, onednn_calls)
     prompt = random_prompts(1, model.config.vocab_size, 6, 7, seed=3)
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     packed = LLM(model, None, block_size=4, prepack_weights=True).generate(prompt, params, use_tqdm=False)
-    # 4 decode steps (the first token comes from the prefill), each through the layers' 4 products
-    assert kernel_calls == [1] * (4 * 4 * model.config.n_layers)
-    assert onednn_calls and all(rows >= 6 for rows in onednn_calls)  # the prefill's
+    # the prefill's logits (one row), then 4 decode steps, each through the layers' 4 products and the logits
+    assert kernel_calls == [1] * (1 + 4 * (4 * model.config.n_layers + 1))
+    assert onednn_calls and all(rows >= 6 for rows in onednn_calls)  # the prefill's layers
     plain = LLM(model, None, block_size=4).generate(prompt, params, use_tqdm=False)
     assert packed[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
 
@@ -182,7 +182,7 @@ def test_an_engine_uses_its_layouts_in_its_own_steps_only(arch, onednn_calls):
     model = tiny_model(arch, seed=3)
     llm = LLM(model, None, block_size=4, prepack_weights=True)
     runner = llm.engine.runner
-    assert len(runner.prepacked) == 4 * model.config.n_layers  # q/k/v, out, and the MLP's two
+    assert len(runner.prepacked) == 4 * model.config.n_layers + 1  # q/k/v, out, the MLP's two; the logits'
     prompts = random_prompts(6, model.config.vocab_size, 4, 12, seed=5)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     packed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
