@@ -12,17 +12,24 @@ another, at 1 to 8 rows, each way:
 It prints the weights read per second and each way's time as a multiple of F.linear's, beside the rate at
 which the machine reads a buffer of the same size (``torch.sum``), all on every thread torch has, taking
 turns in a shuffled order, best of several rounds; and checks that the three agree.
+
+With ``--engine`` it then decodes ``bench/bench_roofline.py``'s GPT-2-small-shaped model with the engine at
+batch 1 to 64, with and without ``prepack_weights``, the two taking turns, three runs each: tokens/s over
+the decode steps, and the median speed-up with its range.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from bench_attention import race
+from bench_roofline import decode_rate, make_model
 
+from nanolab.model.config import ModelConfig
 from nanolab.model.prepacked import HAS_KERNEL, KERNEL_MAX_ROWS, _linear_rows, available
 
 
@@ -45,11 +52,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 8])
     parser.add_argument("--min-time", type=float, default=0.5, help="seconds spent timing each way")
+    parser.add_argument(
+        "--engine",
+        action="store_true",
+        help="then the engine's decode at batch 1 to 64 with and without prepack_weights (about a minute)",
+    )
     parser.add_argument("--quick", action="store_true", help="small matrices, short timings (a smoke test)")
     args = parser.parse_args()
     d, f, copies = 768, 3072, 10
+    batches, new_tokens = [1, 2, 3, 4, 8, 16, 64], 32
     if args.quick:
         d, f, copies, args.rows, args.min_time = 64, 256, 2, [1, 3], 0.01
+        batches, new_tokens = [1, 3], 4
     gen = torch.Generator().manual_seed(0)
     shapes = [(3 * d, d), (d, d), (f, d), (d, f)] * copies  # q/k/v, out, MLP up, MLP down
     weights = [torch.randn(shape, generator=gen) * 0.05 for shape in shapes]
@@ -88,6 +102,33 @@ def main() -> None:
         ]
         print(f"{rows:>4}   " + "   ".join(cells))
     print("\n* what prepack_weights uses at that many rows; every way agrees with F.linear (checked)")
+    if args.engine:
+        engine_decode(d, f, batches, new_tokens, quick=args.quick)
+
+
+def engine_decode(d: int, f: int, batches: list[int], new_tokens: int, quick: bool) -> None:
+    """The engine's decode tokens/s with and without prepack_weights, taking turns, three runs each."""
+    if not available():
+        print("\nengine decode: skipped (prepack_weights needs oneDNN)")
+        return
+    layers, vocab = (2, 512) if quick else (12, 4096)
+    config = ModelConfig(arch="gpt2", vocab_size=vocab, n_layers=layers, n_heads=d // 64, n_kv_heads=d // 64,
+                         d_model=d, d_ff=f, max_seq_len=512)  # fmt: skip
+    model = make_model(config, seed=0)
+    cpu = torch.device("cpu")
+    print(
+        f"\nengine decode, {layers} layers x {d} wide: tokens/s, F.linear (the default) and prepack_weights"
+    )
+    for batch in batches:
+        rates: dict[bool, list[float]] = {False: [], True: []}
+        for run in range(3):
+            for prepack in (False, True) if run % 2 == 0 else (True, False):
+                rates[prepack].append(decode_rate(model, batch, 8, new_tokens, run, cpu, prepack))
+        ratios = sorted(p / o for p, o in zip(rates[True], rates[False]))
+        print(
+            f"  batch {batch:>3}: {statistics.median(rates[False]):8.1f}  {statistics.median(rates[True]):8.1f}  "
+            f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}x to {ratios[-1]:.2f}x)"
+        )
 
 
 if __name__ == "__main__":

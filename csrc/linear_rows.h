@@ -7,10 +7,10 @@
 //   y       (rows, out) float32
 //
 // Each thread streams a contiguous run of the weight's rows and serves every row of x from each weight
-// row it loads: 8 weight rows at a time for one row of x, 6 for two (every row of x is served from
-// registers; more rows of x are served two at a time, each pair reading the whole weight again). Every
-// output is one dot product summed in the fixed order of the kernels' 8-float vectors (vec8.h), the last
-// in % 8 products through a zero-padded vector, so it does not depend on the number of rows or of threads.
+// row it loads: 8 weight rows at a time for one row of x, 6 for two, with every sum held in a register
+// (more rows of x are served two at a time, each pair reading the whole weight again). Every output is one
+// dot product summed in the fixed order of the kernels' 8-float vectors (vec8.h), the last `in mod 8`
+// products through a zero-padded vector, so it does not depend on the number of rows or of threads.
 #pragma once
 
 #include <cstdint>

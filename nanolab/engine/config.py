@@ -75,7 +75,7 @@ class EngineConfig:
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS  # which waiting request is admitted next
     aging_steps: int = 16  # with the priority policy: steps of waiting that count as one level of priority
     attention_backend: AttentionBackend = AttentionBackend.AUTO  # paged decode attention implementation
-    prepack_weights: bool = False  # faster layer products on the CPU: the weights laid out once for oneDNN (a second copy in memory), and 1-2 rows through nanolab's own kernel; float rounding unlike F.linear's
+    prepack_weights: bool = False  # faster matrix products on the CPU (one process): the weights, output layer included, copied once into oneDNN's layout, and products of 1-2 rows through nanolab's own kernel; results differ from F.linear's by float rounding (~1e-6)
     tensor_parallel_size: int = 1  # processes the model is split over (tensor parallelism; gloo on the CPU)
     device: str = (
         "cpu"  # torch device of the model, the KV pool and each step's tensors: cpu, cuda, cuda:N, ...

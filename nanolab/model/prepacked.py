@@ -12,16 +12,16 @@ a product is reading the weight from memory, and the kernel streams it on every 
 from each weight row it loads. The output layer's weight is laid out too (`Transformer.compute_logits`),
 so a step's logits go the same ways.
 
-Measured on 2 cores with the GPT-2-small-shaped model's layer shapes (``bench/bench_roofline.py``), the
-weights read per second, 40 matrices one after another: at 1 row, F.linear 14 GB/s, oneDNN 22-24 and
-``linear_rows`` 28-30 (streaming a buffer: 31); at 2 rows 8, 20-21 and 27; at 3 rows 7, 24-27 and 22,
-so products of `KERNEL_MAX_ROWS` rows or fewer take the kernel and longer ones oneDNN. Every layer's
-products at 64 rows together take about 0.75x F.linear's time.
+Measured on 2 cores (an AMD EPYC) with ``bench/bench_linear.py``, the weights read per second, 40
+matrices of a GPT-2-small-shaped layer one after another: at 1 row, F.linear 14 GB/s, oneDNN 22-24 and
+``linear_rows`` 28-35 (reading a buffer: 31-34); at 2 rows 7-8, 20-21 and 26-28; at 3 rows 6-7, 25-27
+and 23-24, so products of `KERNEL_MAX_ROWS` rows or fewer take the kernel and longer ones oneDNN. Every
+layer's products at 64 rows together take about 0.75x F.linear's time.
 
 The layouts belong to an engine, not to the model: `linear` uses them only inside `Prepacked.active`,
 which the engine's model runner puts around its forward. Another engine, or a learner's runner, on the
-same model computes as F.linear does, and so does a product whose gradient is wanted (neither call has
-one). A weight changed through its parameter after it was laid out (``copy_``, ``mul_``,
+same model computes as F.linear does, and so does a product whose gradient is wanted (neither oneDNN's
+call nor the kernel has a backward). A weight changed through its parameter after it was laid out (``copy_``, ``mul_``,
 ``load_state_dict``, a new tensor assigned) is multiplied by F.linear, not by its stale copy: its version
 counter or its storage has moved. A write that bypasses the counter (through ``weight.data``, a NumPy view,
 or a weight made under ``torch.inference_mode``, which has no counter) is seen by the kernel, which reads

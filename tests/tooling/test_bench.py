@@ -94,11 +94,11 @@ def test_bench_attention_quick(flags):
 
 @pytest.mark.timeout(300)
 def test_bench_linear_quick():
-    """Every way runs on 1 and 3 rows (agreeing with F.linear, or the bench stops), and the rows mark what
-    prepack_weights uses: the kernel at 1 row, oneDNN at 3."""
+    """Every way runs on 1 and 3 rows (agreeing with F.linear, or the bench stops), the rows mark what
+    prepack_weights uses (the kernel at 1 row, oneDNN at 3), and --engine decodes at each batch both ways."""
     from nanolab.model.prepacked import HAS_KERNEL, available
 
-    out = run_bench("bench_linear.py")
+    out = run_bench("bench_linear.py", "--engine")
     assert re.search(r"reading a buffer of that size: [\d.]+ GB/s", out), out
     ways = ["F.linear"] + ["oneDNN"] * available() + ["linear_rows"] * HAS_KERNEL
     for rows in (1, 3):
@@ -113,6 +113,11 @@ def test_bench_linear_quick():
                 line.group(),
             ), line.group()
     assert "every way agrees with F.linear (checked)" in out
+    if available():  # the engine's decode with and without prepack_weights, at each batch
+        rows = re.findall(
+            r"^\s+batch\s+(\d+):\s+[\d.]+\s+[\d.]+\s+[\d.]+x \([\d.]+x to [\d.]+x\)$", out, re.M
+        )
+        assert rows == ["1", "3"], out
 
 
 @pytest.mark.timeout(600)
