@@ -303,7 +303,7 @@ class Transformer(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, d_model) hidden states from `forward` -> (N, vocab_size) logits: ``self.lm_head(hidden)``, or
-        inside an engine's step with `prepack_weights`, its kernel at 1 or 2 rows."""
+        inside an engine's step with `prepack_weights`, its faster products (`nanolab.model.prepacked`)."""
         return linear(hidden, self.lm_head.weight, self.lm_head.bias)
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
