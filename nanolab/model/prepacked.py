@@ -19,14 +19,14 @@ and 23-24, so products of `KERNEL_MAX_ROWS` rows or fewer take the kernel and lo
 layer's products at 64 rows together take about 0.75x F.linear's time.
 
 The layouts belong to an engine, not to the model: `linear` uses them only inside `Prepacked.active`,
-which the engine's model runner puts around its forward and its logits. Another engine, or a learner's runner, on the
-same model computes as F.linear does, and so does a product whose gradient is wanted (neither oneDNN's
-call nor the kernel has a backward). A weight changed through its parameter after it was laid out
-(``copy_``, ``mul_``, ``load_state_dict``, a new tensor assigned) is multiplied by F.linear, not by its
-stale copy: its version counter or its storage has moved. A write that bypasses the counter (through
-``weight.data``, a NumPy view, or a weight made under ``torch.inference_mode``, which has no counter) is
-seen by the kernel, which reads the weight itself, but not by the layouts, so products would then depend
-on their number of rows: build a new engine after one.
+which the engine's model runner puts around its forward and its logits. Another engine, or a learner's
+runner, on the same model computes as F.linear does, and so does a product whose gradient is wanted
+(neither oneDNN's call nor the kernel has a backward). A weight changed through its parameter after it
+was laid out (``copy_``, ``mul_``, ``load_state_dict``, a new tensor assigned) is multiplied by F.linear,
+not by its stale copy: its version counter or its storage has moved. A write that bypasses the counter
+(through ``weight.data``, a NumPy view, or a weight made under ``torch.inference_mode``, which has no
+counter) is seen by the kernel, which reads the weight itself, but not by the layouts, so products would
+then depend on their number of rows: build a new engine after one.
 
 oneDNN and the kernel sum each product in another order than MKL, so results differ from F.linear's by
 float rounding (about 1e-6 relative). Greedy outputs can then differ where the top two logits are that
