@@ -27,10 +27,17 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from bench_attention import race
-from bench_roofline import decode_rate, make_model
+from bench_roofline import decode_rate, make_model, model_config
 
 from nanolab.model.config import ModelConfig
-from nanolab.model.prepacked import HAS_KERNEL, KERNEL_MAX_ROWS, _linear_rows, available
+from nanolab.model.prepacked import (
+    HAS_KERNEL,
+    KERNEL_MAX_ROWS,
+    _linear_rows,
+    available,
+    layout,
+    onednn_linear,
+)
 
 
 def ways(
@@ -40,8 +47,7 @@ def ways(
     fns = {"F.linear": lambda: [F.linear(xs[w.shape[1]], w, b) for w, b in zip(weights, biases)]}
     if packed is not None:
         fns["oneDNN"] = lambda: [
-            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, b, "none", [], "")
-            for w, p, b in zip(weights, packed, biases)
+            onednn_linear(xs[w.shape[1]], p, b) for w, p, b in zip(weights, packed, biases)
         ]
     if HAS_KERNEL:
         fns["linear_rows"] = lambda: [_linear_rows(xs[w.shape[1]], w, b) for w, b in zip(weights, biases)]
@@ -59,16 +65,17 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="small matrices, short timings (a smoke test)")
     args = parser.parse_args()
-    d, f, copies = 768, 3072, 10
+    config = model_config(args.quick)
+    d, f, copies = config.d_model, config.d_ff, 10
     batches, new_tokens = [1, 2, 3, 4, 8, 16, 64], 32
     if args.quick:
-        d, f, copies, args.rows, args.min_time = 64, 256, 2, [1, 3], 0.01
+        copies, args.rows, args.min_time = 2, [1, 3], 0.01
         batches, new_tokens = [1, 3], 4
     gen = torch.Generator().manual_seed(0)
     shapes = [(3 * d, d), (d, d), (f, d), (d, f)] * copies  # q/k/v, out, MLP up, MLP down
     weights = [torch.randn(shape, generator=gen) * 0.05 for shape in shapes]
     biases = [torch.randn(shape[0], generator=gen) for shape in shapes]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights] if available() else None
+    packed = [layout(w) for w in weights] if available() else None
     nbytes = sum(w.numel() for w in weights) * 4
     buffer = torch.ones(nbytes // 4)
 
@@ -103,21 +110,19 @@ def main() -> None:
         print(f"{rows:>4}   " + "   ".join(cells))
     print("\n* what prepack_weights uses at that many rows; every way agrees with F.linear (checked)")
     if args.engine:
-        engine_decode(d, f, batches, new_tokens, quick=args.quick)
+        engine_decode(config, batches, new_tokens)
 
 
-def engine_decode(d: int, f: int, batches: list[int], new_tokens: int, quick: bool) -> None:
+def engine_decode(config: ModelConfig, batches: list[int], new_tokens: int) -> None:
     """The engine's decode tokens/s with and without prepack_weights, taking turns, three runs each."""
     if not available():
         print("\nengine decode: skipped (prepack_weights needs oneDNN)")
         return
-    layers, vocab = (2, 512) if quick else (12, 4096)
-    config = ModelConfig(arch="gpt2", vocab_size=vocab, n_layers=layers, n_heads=d // 64, n_kv_heads=d // 64,
-                         d_model=d, d_ff=f, max_seq_len=512)  # fmt: skip
     model = make_model(config, seed=0)
     cpu = torch.device("cpu")
     print(
-        f"\nengine decode, {layers} layers x {d} wide: tokens/s, F.linear (the default) and prepack_weights"
+        f"\nengine decode, {config.n_layers} layers x {config.d_model} wide: tokens/s, F.linear (the default) "
+        "and prepack_weights"
     )
     for batch in batches:
         rates: dict[bool, list[float]] = {False: [], True: []}

@@ -84,9 +84,8 @@ def matmul_peak(n: int, device: torch.device, rounds: int = 5) -> float:
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     seconds = best_of(lambda: torch.mm(a, b), rounds, device)
     if device.type == "cpu" and prepacked.available():
-        layout = torch.ops.mkldnn._reorder_linear_weight(b, n)
-        product = torch.ops.mkldnn._linear_pointwise
-        seconds = min(seconds, best_of(lambda: product(a, layout, None, "none", [], ""), rounds, device))
+        packed = prepacked.layout(b)
+        seconds = min(seconds, best_of(lambda: prepacked.onednn_linear(a, packed), rounds, device))
     return 2 * n**3 / seconds
 
 
@@ -95,6 +94,16 @@ def memory_bandwidth(megabytes: int, device: torch.device, rounds: int = 5) -> f
     src = torch.ones(megabytes * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
     return 2 * src.numel() * 4 / best_of(lambda: dst.copy_(src), rounds, device)
+
+
+def model_config(quick: bool) -> ModelConfig:
+    """The bench's model: GPT-2-small-shaped (12 layers, 768 wide, a 4,096-token vocabulary), or with
+    ``quick`` 2 layers, 256 wide."""
+    if quick:
+        return ModelConfig(arch="gpt2", vocab_size=512, n_layers=2, n_heads=4, n_kv_heads=4, d_model=256,
+                           d_ff=1024, max_seq_len=256)  # fmt: skip
+    return ModelConfig(arch="gpt2", vocab_size=4096, n_layers=12, n_heads=12, n_kv_heads=12, d_model=768,
+                       d_ff=3072, max_seq_len=512)  # fmt: skip
 
 
 def make_model(config: ModelConfig, seed: int) -> Transformer:
@@ -222,13 +231,10 @@ def main() -> None:
         parser.error(
             "--prepack-weights lays the weights out for oneDNN on the CPU; leave it off with --device"
         )
+    config = model_config(args.quick)
     if args.quick:
-        config = ModelConfig(arch="gpt2", vocab_size=512, n_layers=2, n_heads=4, n_kv_heads=4, d_model=256,
-                             d_ff=1024, max_seq_len=256)  # fmt: skip
         n_mm, megabytes, big_batch, new_tokens, requests = 512, 64, 8, 8, 8
     else:
-        config = ModelConfig(arch="gpt2", vocab_size=4096, n_layers=12, n_heads=12, n_kv_heads=12, d_model=768,
-                             d_ff=3072, max_seq_len=512)  # fmt: skip
         n_mm, megabytes, big_batch, new_tokens, requests = 2048, 256, 64, 32, 32
     where = f"{torch.get_num_threads()} torch threads"
     if device.type == "cuda":

@@ -130,7 +130,7 @@ def run_visible(task: Task) -> dict[str, Any]:
     say which cells raised, and why, and which checks did not run."""
     import nbformat
     from nbclient.exceptions import DeadKernelError
-    from run_solutions import notebook_client
+    from run_solutions import kernel_env, notebook_client
 
     nb = nbformat.reads(task.notebook, as_version=4)
     every_check = visible_checks(nb)
@@ -143,11 +143,7 @@ def run_visible(task: Task) -> dict[str, Any]:
         nb.cells = nb.cells[: max(i for i, g in enumerate(ids) if g in checks) + 1]
     died = None
     start = time.perf_counter()
-    env = {
-        **os.environ,
-        "CUDA_VISIBLE_DEVICES": "",
-        "MPLBACKEND": "module://matplotlib_inline.backend_inline",
-    }
+    env = kernel_env()
     with notebook_client(
         nb,
         timeout=task.cell_timeout,

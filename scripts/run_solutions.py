@@ -45,6 +45,16 @@ def ensure_kernel() -> None:
     )
 
 
+def kernel_env() -> dict[str, str]:
+    """A notebook kernel's environment: this one, with no GPU (the labs run on the CPU everywhere) and
+    figures drawn inline."""
+    return {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "",
+        "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+    }
+
+
 @contextlib.contextmanager
 def notebook_client(nb, **options):
     """An nbclient ``NotebookClient`` for ``nb`` (a context: use it inside) on a kernel of its own that talks
@@ -83,13 +93,7 @@ def run_notebook(path: Path, timeout: float, out: Path | None = None) -> float:
         resources={"metadata": {"path": str(path.parent)}},
     ) as client:
         start = time.perf_counter()
-        client.execute(
-            env={
-                **os.environ,
-                "CUDA_VISIBLE_DEVICES": "",
-                "MPLBACKEND": "module://matplotlib_inline.backend_inline",
-            }
-        )
+        client.execute(env=kernel_env())
         elapsed = time.perf_counter() - start
     out = OUT if out is None else out
     out.mkdir(parents=True, exist_ok=True)

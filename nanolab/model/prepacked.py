@@ -72,9 +72,7 @@ class Prepacked:
                     f"prepack_weights lays out float32 matrices on the CPU, got a {w.dtype} tensor of shape "
                     f"{tuple(w.shape)} on {w.device}"
                 )
-            # laid out for 64 rows, and used for any number
-            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)
-            self._packed[id(w)] = (w, _version(w), w.data_ptr(), packed)  # holding w keeps its id its own
+            self._packed[id(w)] = (w, _version(w), w.data_ptr(), layout(w))  # holding w keeps its id its own
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> Prepacked:
@@ -118,13 +116,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             if HAS_KERNEL and x.shape[0] <= KERNEL_MAX_ROWS and _streamable(x, weight, bias):
                 y = _linear_rows(x, weight, bias)
                 return F.gelu(y, approximate="tanh") if gelu else y
-            if bias is not None:
-                bias = bias.contiguous()  # oneDNN's call reads a bias as if it were (it ignores strides)
-            if gelu:
-                return torch.ops.mkldnn._linear_pointwise(x, entry[3], bias, "gelu", [], "tanh")
-            return torch.ops.mkldnn._linear_pointwise(x, entry[3], bias, "none", [], "")
+            return onednn_linear(x, entry[3], bias, gelu)
     y = F.linear(x, weight, bias)
     return F.gelu(y, approximate="tanh") if gelu else y
+
+
+def layout(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (out, in) laid out for oneDNN's product: a copy, made for 64 rows and used for any number."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
+
+
+def onednn_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False
+) -> torch.Tensor:
+    """``F.linear`` by oneDNN's product on a `layout` of the weight, then GELU (tanh) in the same call if
+    ``gelu``. No checks: `linear` is the safe way in."""
+    if bias is not None:
+        bias = bias.contiguous()  # oneDNN's call reads a bias as if it were (it ignores strides)
+    post, algorithm = ("gelu", "tanh") if gelu else ("none", "")
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, post, [], algorithm)
 
 
 def _streamable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
